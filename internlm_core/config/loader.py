@@ -1,0 +1,399 @@
+"""Load a Python or YAML config, apply `--set` overrides, fill InternLM's defaults, validate.
+
+The result is a typed `Config`; every problem is one `ConfigError` that names the key (and file).
+"""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+import difflib
+import runpy
+import typing
+from pathlib import Path
+from typing import Any, Iterable, Mapping
+
+import yaml
+
+from ..errors import ConfigError
+from .schema import Config, LoadCkptInfo
+
+_DTYPES = {
+    "torch.float32": "torch.float32", "float32": "torch.float32", "fp32": "torch.float32", "torch.float": "torch.float32",
+    "torch.tf32": "torch.tf32", "tf32": "torch.tf32",
+    "torch.bfloat16": "torch.bfloat16", "bfloat16": "torch.bfloat16", "bf16": "torch.bfloat16",
+    "torch.float16": "torch.float16", "float16": "torch.float16", "fp16": "torch.float16", "torch.half": "torch.float16",
+}
+_MODEL_TYPES = ("INTERNLM", "INTERNLM2", "LLAMA")
+_CONTENTS = ("model", "sampler", "optimizer", "scheduler", "all")
+
+
+def read_config_file(path: str | Path) -> dict:
+    """The raw dict of a `.py` (its top-level names) or `.yaml`/`.yml`/`.json` config file."""
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"{path}: config file not found")
+    if path.suffix in (".yaml", ".yml", ".json"):
+        try:
+            raw = yaml.safe_load(path.read_text())
+        except yaml.YAMLError as e:
+            mark = getattr(e, "problem_mark", None)
+            where = f" line {mark.line + 1}" if mark is not None else ""
+            raise ConfigError(f"{path}{where}: not valid YAML ({getattr(e, 'problem', e)})") from None
+        if not isinstance(raw, dict):
+            raise ConfigError(f"{path}: expected a mapping of config sections at the top level")
+        return raw
+    if path.suffix != ".py":
+        raise ConfigError(f"{path}: expected a .py, .yaml or .yml config file")
+    try:
+        ns = runpy.run_path(str(path))
+    except SyntaxError as e:
+        raise ConfigError(f"{path} line {e.lineno}: syntax error ({e.msg})") from None
+    except Exception as e:  # the file is user code: report where it failed, not our stack
+        raise ConfigError(f"{path}: executing the config failed: {type(e).__name__}: {e}") from None
+    return {k: v for k, v in ns.items() if not k.startswith("_") and not callable(v)
+            and not isinstance(v, type(typing)) and not isinstance(v, type)}
+
+
+def parse_overrides(items: Iterable[str]) -> list[tuple[list[str], Any]]:
+    """`["data.total_steps=20", "model.dtype=torch.float32"]` → [(["data", "total_steps"], 20), ...]."""
+    out = []
+    for item in items:
+        if "=" not in item:
+            raise ConfigError(f"--set {item!r}: expected KEY=VALUE, e.g. data.total_steps=20")
+        key, text = item.split("=", 1)
+        out.append((key.strip().split("."), _parse_value(text.strip())))
+    return out
+
+
+def _parse_value(text: str) -> Any:
+    try:
+        return ast.literal_eval(text)
+    except (ValueError, SyntaxError):
+        pass
+    try:
+        return yaml.safe_load(text)
+    except yaml.YAMLError:
+        return text
+
+
+def apply_overrides(raw: dict, overrides: Iterable[tuple[list[str], Any]]) -> dict:
+    """Set each dotted key in the raw dict (unknown keys are reported later by validation)."""
+    for keys, value in overrides:
+        node = raw
+        for i, k in enumerate(keys[:-1]):
+            nxt = node.get(k)
+            if nxt is None:
+                nxt = node[k] = {}
+            if not isinstance(nxt, dict):
+                raise ConfigError(f"--set {'.'.join(keys)}: {'.'.join(keys[:i + 1])} is not a section")
+            node = nxt
+        node[keys[-1]] = value
+    return raw
+
+
+def _normalize_internlm_forms(raw: dict) -> dict:
+    """Map InternLM's alternative spellings onto the flat schema (zero1/pipeline/tensor dicts, grad_scaler.fp16)."""
+    raw = dict(raw)
+    par = dict(raw.get("parallel") or {})
+    if isinstance(par.get("zero1"), dict):
+        z = dict(par.pop("zero1"))
+        par["zero1"] = z.pop("size", -1)
+        if "fsdp" in z:
+            par["zero1_fsdp"] = z.pop("fsdp")
+        if z:
+            raise ConfigError(f"parallel.zero1: unknown key(s) {sorted(z)}; expected size, fsdp")
+    if isinstance(par.get("pipeline"), dict):
+        p = dict(par.pop("pipeline"))
+        par["pipeline"] = p.pop("size", 1)
+        if "interleaved_overlap" in p:
+            par["interleaved_overlap"] = p.pop("interleaved_overlap")
+        if p:
+            raise ConfigError(f"parallel.pipeline: unknown key(s) {sorted(p)}; expected size, interleaved_overlap")
+    if isinstance(par.get("tensor"), dict):
+        t = dict(par.pop("tensor"))
+        par["tensor"] = t.pop("size", 1)
+        t.pop("mode", None)  # InternEvo's tensor modes; DTensor plans replace them
+        if t:
+            raise ConfigError(f"parallel.tensor: unknown key(s) {sorted(t)}; expected size")
+    if "parallel" in raw:
+        raw["parallel"] = par
+    gs = raw.get("grad_scaler")
+    if isinstance(gs, dict) and isinstance(gs.get("fp16"), dict):
+        gs = dict(gs)
+        gs.update(gs.pop("fp16"))
+        raw["grad_scaler"] = gs
+    ckpt = raw.get("ckpt")
+    if isinstance(ckpt, dict):
+        ckpt = dict(ckpt)
+        for k in ("save_ckpt_folder",):
+            if isinstance(ckpt.get(k), str) and ckpt[k].startswith("local:"):
+                ckpt[k] = ckpt[k][len("local:"):]
+        info = ckpt.get("load_ckpt_info")
+        if isinstance(info, dict) and isinstance(info.get("path"), str) and info["path"].startswith("local:"):
+            ckpt["load_ckpt_info"] = dict(info, path=info["path"][len("local:"):])
+        # InternLM's legacy keys
+        if "load_ckpt_folder" in ckpt or "load_model_only_folder" in ckpt:
+            folder = ckpt.pop("load_ckpt_folder", None)
+            model_only = ckpt.pop("load_model_only_folder", None)
+            if ckpt.get("load_ckpt_info") is None and (folder or model_only):
+                ckpt["load_ckpt_info"] = ({"path": model_only, "content": ("model",)} if model_only
+                                          else {"path": folder, "content": ("all",)})
+        raw["ckpt"] = ckpt
+    return raw
+
+
+def _closest(name: str, candidates: Iterable[str]) -> str:
+    match = difflib.get_close_matches(name, list(candidates), n=1, cutoff=0.5)
+    return f"; did you mean {match[0]!r}?" if match else ""
+
+
+def _type_name(tp: Any) -> str:
+    origin = typing.get_origin(tp)
+    if origin is typing.Union:
+        args = [a for a in typing.get_args(tp) if a is not type(None)]
+        names = " or ".join(_type_name(a) for a in args)
+        return names + (" or None" if len(args) < len(typing.get_args(tp)) else "")
+    return getattr(tp, "__name__", str(tp))
+
+
+def _convert(value: Any, tp: Any, key: str) -> Any:
+    """Check `value` against the annotation `tp` (with the usual safe coercions)."""
+    origin = typing.get_origin(tp)
+    if origin is typing.Union:
+        args = typing.get_args(tp)
+        if value is None and type(None) in args:
+            return None
+        for a in args:
+            if a is type(None):
+                continue
+            try:
+                return _convert(value, a, key)
+            except ConfigError:
+                continue
+        raise ConfigError(f"{key}: expected {_type_name(tp)}, got {value!r}")
+    if dataclasses.is_dataclass(tp):
+        if isinstance(value, tp):
+            return value
+        if not isinstance(value, Mapping):
+            raise ConfigError(f"{key}: expected a section (dict) of {tp.__name__}, got {value!r}")
+        return _build(tp, value, key)
+    if tp is Any:
+        return value
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+        raise ConfigError(f"{key}: expected bool, got {value!r}")
+    if tp is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        if isinstance(value, float) and value.is_integer():
+            return int(value)
+        raise ConfigError(f"{key}: expected int, got {value!r}")
+    if tp is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        raise ConfigError(f"{key}: expected float, got {value!r}")
+    if tp is str:
+        if isinstance(value, str):
+            return value
+        raise ConfigError(f"{key}: expected str, got {value!r}")
+    if tp is tuple:
+        if isinstance(value, str):
+            return (value,)
+        if isinstance(value, (list, tuple)):
+            return tuple(value)
+        raise ConfigError(f"{key}: expected a tuple or list, got {value!r}")
+    return value
+
+
+def _build(cls: type, raw: Mapping, prefix: str) -> Any:
+    hints = typing.get_type_hints(cls)
+    names = {fl.name for fl in dataclasses.fields(cls)}
+    kwargs = {}
+    for k, v in raw.items():
+        key = f"{prefix}.{k}" if prefix else k
+        if k not in names:
+            hint = _closest(k, names)
+            if hint and prefix:
+                hint = hint.replace("mean '", f"mean '{prefix}.")
+            raise ConfigError(f"unknown config key {key!r}{hint}")
+        kwargs[k] = _convert(v, hints[k], key)
+    return cls(**kwargs)
+
+
+def _is_file_constant(name: str) -> bool:
+    """ALL_CAPS names in a Python config are the file's own constants (SEQ_LEN, HIDDEN_SIZE, ...)."""
+    return name.isupper() and name not in ("JOB_NAME", "DO_ALERT")
+
+
+def build_config(raw: dict, source: str = "config", world_size: int | None = None) -> Config:
+    """Validate a raw dict into a `Config`, fill derived defaults and check consistency."""
+    raw = {k: v for k, v in raw.items() if not _is_file_constant(k)}
+    raw = _normalize_internlm_forms(raw)
+    try:
+        cfg = _build(Config, raw, "")
+    except ConfigError as e:
+        raise ConfigError(f"{source}: {e}") from None
+    try:
+        fill_defaults(cfg)
+        check_consistency(cfg, world_size)
+    except ConfigError as e:
+        raise ConfigError(f"{source}: {e}") from None
+    return cfg
+
+
+def fill_defaults(cfg: Config) -> None:
+    """InternLM's derived defaults (packed_length, valid_micro_num, schedules from adam/data, ...)."""
+    d, m = cfg.data, cfg.model
+    if d.packed_length is None:
+        d.packed_length = d.seq_len * d.micro_bsz
+    if d.valid_micro_num is None:
+        d.valid_micro_num = d.micro_num
+    if d.seed is None:
+        d.seed = cfg.seed
+    m.dtype = _DTYPES.get(str(m.dtype), m.dtype)
+    cfg.model_type = cfg.model_type.upper()
+    if m.num_kv_attention_heads is None:
+        m.num_kv_attention_heads = m.num_attention_heads
+    if m.qkv_bias is None:
+        m.qkv_bias = cfg.model_type == "INTERNLM"
+    if cfg.use_fp32_norm:
+        m.use_fp32_norm = True
+    if cfg.lr_scheduler.total_steps is None:
+        cfg.lr_scheduler.total_steps = d.total_steps
+    if cfg.beta2_scheduler.init_beta2 is None:
+        cfg.beta2_scheduler.init_beta2 = cfg.adam.adam_beta2
+    if cfg.beta2_scheduler.c is None:
+        cfg.beta2_scheduler.c = cfg.adam.adam_beta2_c
+    if cfg.DO_ALERT:
+        cfg.monitor.alert.enable_feishu_alert = True
+    info = cfg.ckpt.load_ckpt_info
+    if info is not None and isinstance(info, LoadCkptInfo):
+        info.content = tuple(c.lower() for c in info.content)
+
+
+def ffn_width(m) -> int:
+    """InternLM's FeedForward width: int(hidden * mlp_ratio) rounded up to `multiple_of`."""
+    if m.intermediate_size is not None:
+        return m.intermediate_size
+    hidden = int(m.hidden_size * m.mlp_ratio)
+    return m.multiple_of * ((hidden + m.multiple_of - 1) // m.multiple_of)
+
+
+def check_consistency(cfg: Config, world_size: int | None = None) -> None:
+    """Values that are each valid but wrong together."""
+    d, m, p = cfg.data, cfg.model, cfg.parallel
+    positive = {"data.seq_len": d.seq_len, "data.micro_num": d.micro_num, "data.micro_bsz": d.micro_bsz,
+                "data.total_steps": d.total_steps, "model.num_layers": m.num_layers, "model.hidden_size": m.hidden_size,
+                "model.num_attention_heads": m.num_attention_heads, "model.vocab_size": m.vocab_size,
+                "parallel.tensor": p.tensor, "parallel.pipeline": p.pipeline, "model.num_chunks": m.num_chunks,
+                "data.valid_micro_num": d.valid_micro_num}
+    for key, v in positive.items():
+        if v < 1:
+            raise ConfigError(f"{key}: expected a positive integer, got {v}")
+    if d.packed_length != d.seq_len * d.micro_bsz:
+        raise ConfigError(f"data.packed_length ({d.packed_length}) must equal data.seq_len * data.micro_bsz "
+                          f"({d.seq_len} * {d.micro_bsz} = {d.seq_len * d.micro_bsz})")
+    if d.rampup_batch_size:
+        raise ConfigError("data.rampup_batch_size: batch-size ramp-up is not supported; leave it empty")
+    if cfg.model_type not in _MODEL_TYPES:
+        raise ConfigError(f"model_type: expected one of {', '.join(_MODEL_TYPES)}, got {cfg.model_type!r}"
+                          f"{_closest(cfg.model_type, _MODEL_TYPES)}")
+    if m.dtype not in set(_DTYPES.values()):
+        raise ConfigError(f"model.dtype: expected one of torch.float32, torch.tf32, torch.bfloat16, torch.float16, "
+                          f"got {m.dtype!r}")
+    if m.hidden_size % m.num_attention_heads:
+        raise ConfigError(f"model.num_attention_heads ({m.num_attention_heads}) must divide model.hidden_size "
+                          f"({m.hidden_size}): each head gets hidden_size / num_attention_heads channels")
+    if (m.hidden_size // m.num_attention_heads) % 2:
+        raise ConfigError(f"model.hidden_size / model.num_attention_heads = {m.hidden_size // m.num_attention_heads} "
+                          f"must be even for rotary embeddings")
+    if m.num_kv_attention_heads < 1 or m.num_attention_heads % m.num_kv_attention_heads:
+        raise ConfigError(f"model.num_kv_attention_heads ({m.num_kv_attention_heads}) must divide "
+                          f"model.num_attention_heads ({m.num_attention_heads}) for grouped-query attention")
+    if cfg.model_type == "INTERNLM" and m.num_kv_attention_heads != m.num_attention_heads:
+        raise ConfigError("model.num_kv_attention_heads: model_type INTERNLM (v1) has no grouped-query attention; "
+                          "use model_type INTERNLM2 or LLAMA")
+    if m.norm_type != "rmsnorm":
+        raise ConfigError(f"model.norm_type: only 'rmsnorm' is supported, got {m.norm_type!r}")
+    if m.attn_backend not in ("auto", "flash", "sdpa"):
+        raise ConfigError(f"model.attn_backend: expected auto, flash or sdpa, got {m.attn_backend!r}")
+    ck = m.checkpoint
+    if not isinstance(ck, bool) and not 0.0 <= float(ck) <= 1.0:
+        raise ConfigError(f"model.checkpoint: expected True, False or a fraction in [0, 1], got {ck!r}")
+    if d.dummy_distribution not in ("uniform", "zipf"):
+        raise ConfigError(f"data.dummy_distribution: expected 'uniform' or 'zipf', got {d.dummy_distribution!r}")
+    if d.dataset_type_mode not in ("subfolder", "internlm"):
+        raise ConfigError(f"data.dataset_type_mode: expected 'subfolder' or 'internlm', got {d.dataset_type_mode!r}")
+    if cfg.adam.fused not in ("auto", "torch", "apex"):
+        raise ConfigError(f"adam.fused: expected auto, torch or apex, got {cfg.adam.fused!r}")
+    if not 0.0 <= cfg.lr_scheduler.warmup_ratio <= 1.0:
+        raise ConfigError(f"lr_scheduler.warmup_ratio: expected a fraction in [0, 1], got {cfg.lr_scheduler.warmup_ratio}")
+    if not 0.0 <= cfg.loss.label_smoothing < 1.0:
+        raise ConfigError(f"loss.label_smoothing: expected a value in [0, 1), got {cfg.loss.label_smoothing}")
+    info = cfg.ckpt.load_ckpt_info
+    if info is not None:
+        bad = [c for c in info.content if c not in _CONTENTS]
+        if bad:
+            raise ConfigError(f"ckpt.load_ckpt_info.content: unknown {bad}; expected any of {', '.join(_CONTENTS)}")
+        if info.ckpt_type not in ("internlm_core", "hf_llama", "internlm"):
+            raise ConfigError(f"ckpt.load_ckpt_info.ckpt_type: expected internlm_core or hf_llama, got {info.ckpt_type!r}")
+    if cfg.ckpt.enable_save_ckpt and not cfg.ckpt.save_ckpt_folder:
+        raise ConfigError("ckpt.save_ckpt_folder: must be set when ckpt.enable_save_ckpt is True")
+    if cfg.ckpt.checkpoint_every < 1:
+        raise ConfigError(f"ckpt.checkpoint_every: expected a positive integer, got {cfg.ckpt.checkpoint_every}")
+    if p.pipeline == 1 and m.num_chunks != 1:
+        raise ConfigError(f"model.num_chunks ({m.num_chunks}) > 1 needs parallel.pipeline > 1 (interleaved schedule)")
+    if p.pipeline > 1 and m.num_layers % (p.pipeline * m.num_chunks):
+        raise ConfigError(f"model.num_layers ({m.num_layers}) must be divisible by parallel.pipeline * model.num_chunks "
+                          f"({p.pipeline} * {m.num_chunks}) to split the layers into pipeline stages")
+    if p.pipeline > 1 and d.micro_num < p.pipeline:
+        raise ConfigError(f"data.micro_num ({d.micro_num}) must be at least parallel.pipeline ({p.pipeline}) "
+                          f"to keep every stage busy")
+    if p.tensor > 1:
+        if m.num_attention_heads % p.tensor or m.num_kv_attention_heads % p.tensor:
+            raise ConfigError(f"parallel.tensor ({p.tensor}) must divide model.num_attention_heads "
+                              f"({m.num_attention_heads}) and model.num_kv_attention_heads ({m.num_kv_attention_heads})")
+        if m.vocab_size % p.tensor:
+            raise ConfigError(f"parallel.tensor ({p.tensor}) must divide model.vocab_size ({m.vocab_size}) "
+                              f"for the vocabulary-parallel embedding and output")
+        if ffn_width(m) % p.tensor:
+            raise ConfigError(f"parallel.tensor ({p.tensor}) must divide the FFN width ({ffn_width(m)})")
+        if p.sequence_parallel and d.seq_len % p.tensor:
+            raise ConfigError(f"parallel.sequence_parallel: data.seq_len ({d.seq_len}) must be divisible by "
+                              f"parallel.tensor ({p.tensor})")
+    if p.sequence_parallel and p.tensor == 1:
+        raise ConfigError("parallel.sequence_parallel: needs parallel.tensor > 1")
+    if world_size is not None:
+        tp_pp = p.tensor * p.pipeline
+        if world_size % tp_pp:
+            raise ConfigError(f"world size {world_size} is not divisible by parallel.tensor * parallel.pipeline "
+                              f"({p.tensor} * {p.pipeline} = {tp_pp})")
+        dp = world_size // tp_pp
+        if p.zero1 > 1 and dp % p.zero1:
+            raise ConfigError(f"parallel.zero1 ({p.zero1}) must divide the data-parallel size ({dp} = world size "
+                              f"{world_size} / (tensor {p.tensor} * pipeline {p.pipeline}))")
+
+
+def load_config(path: str | Path, overrides: Iterable[str] = (), world_size: int | None = None) -> Config:
+    """Read, override, validate: the one entry point of the config package."""
+    raw = read_config_file(path)
+    raw = apply_overrides(raw, parse_overrides(overrides))
+    return build_config(raw, source=str(path), world_size=world_size)
+
+
+def config_to_dict(cfg: Config) -> dict:
+    """Plain dict of a Config (tuples as lists), ready for YAML or JSON."""
+    def plain(x: Any) -> Any:
+        if isinstance(x, dict):
+            return {k: plain(v) for k, v in x.items()}
+        if isinstance(x, (list, tuple)):
+            return [plain(v) for v in x]
+        return x
+    return plain(dataclasses.asdict(cfg))
+
+
+def dump_yaml(cfg: Config) -> str:
+    """The resolved config as YAML, loadable again by `load_config`."""
+    return yaml.safe_dump(config_to_dict(cfg), sort_keys=False)

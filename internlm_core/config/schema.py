@@ -1,0 +1,226 @@
+"""The typed config: one dataclass per section of an InternLM config file.
+
+Every field carries its meaning in `metadata["help"]`; the README's config reference is generated
+from these (`python -m internlm_core.config.reference`), so the two cannot drift apart.
+Key names are InternLM's (configs/7B_sft.py at commit aaaf4d7); new keys follow the same style.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Optional, Union
+
+
+def f(default: Any = None, help: str = "", factory: Any = None) -> Any:  # noqa: A002 - `help` reads best here
+    """A dataclass field with its documentation."""
+    if factory is not None:
+        return field(default_factory=factory, metadata={"help": help})
+    return field(default=default, metadata={"help": help})
+
+
+@dataclass
+class DataConfig:
+    """Training and validation data, batch shape and step count."""
+
+    seq_len: int = f(2048, "Maximum tokens of one sequence; attention never spans more than this.")
+    micro_num: int = f(1, "Micro-batches per optimizer step and data-parallel rank (gradient accumulation).")
+    micro_bsz: int = f(1, "Sequences of `seq_len` packed into one micro-batch row.")
+    packed_length: Optional[int] = f(None, "Tokens in one packed row; default `seq_len * micro_bsz`.")
+    valid_micro_num: Optional[int] = f(None, "Micro-batches per validation step; default `micro_num`.")
+    valid_every: int = f(0, "Validate every this many steps (0: never, except at the end if `valid_folder` is set).")
+    pack_sample_into_one: bool = f(False, "Treat a packed row as one sequence (attention crosses documents), as InternLM.")
+    total_steps: int = f(50000, "Number of batches (optimizer steps) to train.")
+    skip_batches: str = f("", "Batches to skip, e.g. \"3,10-20\" (inclusive ranges, 0-based batch counts).")
+    rampup_batch_size: str = f("", "InternLM's batch-size ramp-up; not supported (must stay empty).")
+    min_length: int = f(0, "Drop documents with fewer tokens than this.")
+    train_folder: Optional[str] = f(None, "Folder of tokenized `.bin`/`.bin.meta` files; None: random dummy data.")
+    valid_folder: Optional[str] = f(None, "Folder of validation `.bin` files, one dataset per subfolder; None: no validation data.")
+    num_worker: int = f(0, "Data loader worker processes (0: load in the training process).")
+    empty_cache_and_diag_interval: int = f(10, "Every this many steps, gather step times across ranks and report stragglers.")
+    diag_outlier_ratio: float = f(1.1, "A rank whose step time exceeds this ratio of the mean is reported as a straggler.")
+    fixed_random_dataset_seqlen: bool = f(True, "Dummy data: every document exactly `seq_len` tokens (else random lengths).")
+    dummy_distribution: str = f("uniform", "Dummy data token distribution: \"uniform\" or \"zipf\" (Zipf s=1.1 over token ids).")
+    dummy_num_samples: int = f(100000, "Number of documents in the dummy dataset.")
+    dataset_type_mode: str = f("subfolder", "How dataset type ids are named: \"subfolder\" (InternEvo: top-level subfolder of train_folder) or \"internlm\" (fixed en/cn/code mapping).")
+    seed: Optional[int] = f(None, "Seed of the data order; default the run's `--seed`.")
+
+
+@dataclass
+class ModelConfig:
+    """Model shape and numerics (InternLM's `model` section)."""
+
+    num_layers: int = f(32, "Transformer blocks.")
+    hidden_size: int = f(4096, "Model width.")
+    num_attention_heads: int = f(32, "Query heads.")
+    num_kv_attention_heads: Optional[int] = f(None, "Key/value heads (grouped-query attention); default `num_attention_heads`.")
+    vocab_size: int = f(103168, "Vocabulary size (embedding and output rows).")
+    mlp_ratio: float = f(8 / 3, "FFN width = hidden_size * mlp_ratio, rounded up to a multiple of `multiple_of`.")
+    multiple_of: int = f(256, "FFN width is rounded up to a multiple of this (InternLM's FeedForward).")
+    intermediate_size: Optional[int] = f(None, "Explicit FFN width; overrides mlp_ratio/multiple_of.")
+    checkpoint: Union[bool, float] = f(False, "Activation checkpointing: True, False, or the fraction of layers to checkpoint.")
+    dtype: str = f("torch.bfloat16", "Compute dtype: torch.float32, torch.tf32, torch.bfloat16, torch.float16 (or torch.half).")
+    norm_type: str = f("rmsnorm", "Normalization: rmsnorm (the only one InternLM ships for these models).")
+    layer_norm_epsilon: float = f(1e-5, "Epsilon of the norms.")
+    use_flash_attn: bool = f(True, "Use flash-attn's varlen kernel when it is installed and the device is CUDA; else SDPA.")
+    num_chunks: int = f(1, "Model chunks per pipeline stage (>1: interleaved 1F1B).")
+    embed_split_hidden: bool = f(True, "InternLM's embedding split; kept for config compatibility (DTensor decides sharding).")
+    embed_grad_scale: float = f(1.0, "Scale of the embedding's gradient (InternLM's embed_grad_scale).")
+    parallel_output: bool = f(True, "Keep logits vocab-parallel under tensor parallel; the loss handles sharded logits.")
+    apply_post_layer_norm: bool = f(False, "Post-norm blocks instead of pre-norm.")
+    rope_base: float = f(10000.0, "Rotary embedding base (theta).")
+    tie_word_embeddings: bool = f(False, "Share the embedding and output matrices.")
+    init_std: float = f(0.02, "Std of the normal initialization of matrices.")
+    qkv_bias: Optional[bool] = f(None, "Bias on q/k/v/o projections; default: True for INTERNLM, False for INTERNLM2/LLAMA.")
+    use_fp32_norm: bool = f(False, "Keep norm weights and computation in fp32 under low-precision dtypes.")
+    compile: bool = f(False, "torch.compile each transformer block.")
+    attn_backend: str = f("auto", "Attention backend: auto (flash-attn if usable, else sdpa), flash, sdpa.")
+
+
+@dataclass
+class ParallelConfig:
+    """Parallel layout (InternLM's `parallel` section); data parallel = world / (tensor * pipeline)."""
+
+    zero1: int = f(-1, "Optimizer/parameter sharding: <=0 shard over the whole data-parallel group, 1 none, k within groups of k (HSDP).")
+    zero1_fsdp: bool = f(False, "InternLM's zero1=dict(fsdp=...); sharding here is always FSDP2 when zero1 != 1.")
+    tensor: int = f(1, "Tensor-parallel size.")
+    pipeline: int = f(1, "Pipeline-parallel size.")
+    interleaved_overlap: bool = f(True, "Pipeline: overlap communication in the interleaved schedule.")
+    sequence_parallel: bool = f(False, "Shard activations along the sequence in norms/dropout under tensor parallel.")
+
+
+@dataclass
+class AdamConfig:
+    """AdamW hyper-parameters (InternLM's `adam` section)."""
+
+    lr: float = f(1e-4, "Peak learning rate.")
+    adam_beta1: float = f(0.9, "Adam beta1.")
+    adam_beta2: float = f(0.95, "Adam beta2 (initial value for the beta2 schedule).")
+    adam_beta2_c: float = f(0.0, "Beta2 schedule constant c (0: constant beta2).")
+    adam_eps: float = f(1e-8, "Adam epsilon.")
+    weight_decay: float = f(0.01, "Weight decay on matrices; norms, biases and 1-D parameters get none.")
+    fused: str = f("auto", "Optimizer kernel: auto (apex FusedAdam if installed on CUDA, else torch fused/foreach), torch, apex.")
+
+
+@dataclass
+class LRSchedulerConfig:
+    """Warm-up then cosine learning-rate schedule (InternLM's `lr_scheduler`)."""
+
+    total_steps: Optional[int] = f(None, "Length of the schedule; default `data.total_steps`.")
+    init_steps: int = f(0, "Steps already taken before this schedule starts.")
+    warmup_ratio: float = f(0.01, "Fraction of total_steps spent in linear warm-up.")
+    eta_min: float = f(1e-5, "Learning rate at the end of the cosine.")
+    last_epoch: int = f(-1, "Kept for InternLM compatibility (torch's last_epoch).")
+
+
+@dataclass
+class Beta2SchedulerConfig:
+    """Adam beta2 schedule (InternLM's `beta2_scheduler`): beta2 = max(init_beta2, 1 - step**-c)."""
+
+    init_beta2: Optional[float] = f(None, "Initial beta2; default `adam.adam_beta2`.")
+    c: Optional[float] = f(None, "Constant c; default `adam.adam_beta2_c` (0: constant).")
+    cur_iter: int = f(-1, "Starting iteration (-1: start at 0).")
+
+
+@dataclass
+class GradScalerConfig:
+    """Dynamic loss scaling for fp16 (InternLM's `grad_scaler`)."""
+
+    initial_scale: float = f(2.0**16, "Initial loss scale (InternLM: grad_scaler.fp16.initial_scale).")
+    min_scale: float = f(1.0, "Smallest loss scale.")
+    growth_interval: int = f(1000, "Grow the scale after this many steps without overflow.")
+    growth_factor: float = f(2.0, "Factor to grow the scale by.")
+    backoff_factor: float = f(0.5, "Factor to shrink the scale by on overflow.")
+    max_scale: float = f(2.0**24, "Largest loss scale.")
+    hysteresis: int = f(2, "Overflows tolerated before the scale shrinks.")
+
+
+@dataclass
+class HybridZeroOptimizerConfig:
+    """InternLM's `hybrid_zero_optimizer`; only `clip_grad_norm` has an effect (FSDP2 does the rest)."""
+
+    overlap_sync_grad: bool = f(True, "Kept for compatibility; FSDP2 always overlaps gradient reduction.")
+    overlap_sync_param: bool = f(True, "Kept for compatibility; FSDP2 always prefetches parameters.")
+    reduce_bucket_size: int = f(512 * 1024 * 1024, "Kept for compatibility.")
+    clip_grad_norm: float = f(1.0, "Clip the global gradient norm to this (0 or less: no clipping).")
+
+
+@dataclass
+class LossConfig:
+    """Loss options (InternLM's `loss`)."""
+
+    label_smoothing: float = f(0.0, "Label smoothing of the cross entropy.")
+
+
+@dataclass
+class LoadCkptInfo:
+    """What to load at start (InternLM's `ckpt.load_ckpt_info`)."""
+
+    path: Optional[str] = f(None, "Checkpoint folder or URL to load.")
+    content: tuple = f(None, "What to load: any of model, sampler, optimizer, scheduler, or all.", factory=lambda: ("all",))
+    ckpt_type: str = f("internlm_core", "Format: internlm_core (our DCP checkpoints) or hf_llama (a Hugging Face Llama folder).")
+
+
+@dataclass
+class CkptConfig:
+    """Checkpoint saving and loading (InternLM's `ckpt`)."""
+
+    enable_save_ckpt: bool = f(False, "Save checkpoints.")
+    save_ckpt_folder: Optional[str] = f(None, "Where to save: a local folder (optionally `local:` prefixed) or `s3://bucket/prefix`.")
+    checkpoint_every: int = f(50, "Save every this many steps.")
+    oss_snapshot_freq: int = f(0, "Save a snapshot every this many steps into two alternating slots (0: off).")
+    load_ckpt_info: Optional[LoadCkptInfo] = f(None, "Checkpoint to load at start (see LoadCkptInfo).")
+    auto_resume: bool = f(True, "Resume from the newest complete checkpoint under save_ckpt_folder, if any.")
+    async_upload: bool = f(True, "Write and upload checkpoints in the background.")
+    async_upload_tmp_folder: Optional[str] = f(None, "Local staging folder for uploads to object storage.")
+    stop_file_path: Optional[str] = f(None, "A file holding an integer N: save at step |N|, and stop if N > 0.")
+    keep_last_k: int = f(0, "Keep only the newest k regular checkpoints (0: keep all).")
+    save_at_end: bool = f(True, "Save when training finishes.")
+
+
+@dataclass
+class AlertConfig:
+    """Alerts (InternLM's `monitor.alert`)."""
+
+    enable_feishu_alert: bool = f(False, "Send alerts to a Feishu webhook.")
+    feishu_alert_address: Optional[str] = f(None, "Feishu webhook URL (or env INTERNLM_FEISHU_ALERT_ADDRESS).")
+    light_monitor_address: Optional[str] = f(None, "InternLM's light monitor address; kept for compatibility.")
+    webhook_url: Optional[str] = f(None, "Generic JSON webhook URL (or env INTERNLM_ALERT_WEBHOOK).")
+    alert_file_path: Optional[str] = f(None, "Also append alerts as JSON lines to this file.")
+
+
+@dataclass
+class MonitorConfig:
+    """Monitoring (InternLM's `monitor`)."""
+
+    alert: AlertConfig = f(factory=AlertConfig, help="Alert destinations.")
+    hang_timeout: float = f(0.0, "Alert and dump stacks if no step completes within this many seconds (0: off).")
+    loss_spike_ratio: float = f(0.0, "Alert when loss exceeds this ratio of its running average (0: off).")
+    max_consecutive_inf_nan: int = f(10, "Stop after this many consecutive inf/nan steps (0: never stop).")
+    log_every: int = f(1, "Console metrics line every this many steps (metrics.jsonl always gets every step).")
+    tensorboard: bool = f(True, "Write TensorBoard event files into the run folder.")
+    memory_report: bool = f(False, "Write a memory report (peak per step, breakdown) into the run folder.")
+
+
+@dataclass
+class Config:
+    """A whole run."""
+
+    JOB_NAME: str = f("internlm_core", "Name of the job; names the run folder and alerts.")
+    model_type: str = f("INTERNLM", "Model family: INTERNLM (v1: bias on qkv/out), INTERNLM2 or LLAMA (GQA, no bias).")
+    data: DataConfig = f(factory=DataConfig, help="See DataConfig.")
+    model: ModelConfig = f(factory=ModelConfig, help="See ModelConfig.")
+    parallel: ParallelConfig = f(factory=ParallelConfig, help="See ParallelConfig.")
+    adam: AdamConfig = f(factory=AdamConfig, help="See AdamConfig.")
+    lr_scheduler: LRSchedulerConfig = f(factory=LRSchedulerConfig, help="See LRSchedulerConfig.")
+    beta2_scheduler: Beta2SchedulerConfig = f(factory=Beta2SchedulerConfig, help="See Beta2SchedulerConfig.")
+    grad_scaler: GradScalerConfig = f(factory=GradScalerConfig, help="See GradScalerConfig.")
+    hybrid_zero_optimizer: HybridZeroOptimizerConfig = f(factory=HybridZeroOptimizerConfig, help="See HybridZeroOptimizerConfig.")
+    loss: LossConfig = f(factory=LossConfig, help="See LossConfig.")
+    ckpt: CkptConfig = f(factory=CkptConfig, help="See CkptConfig.")
+    monitor: MonitorConfig = f(factory=MonitorConfig, help="See MonitorConfig.")
+    cudnn_deterministic: bool = f(False, "Deterministic algorithms (torch.use_deterministic_algorithms) and cuDNN.")
+    cudnn_benchmark: bool = f(False, "cuDNN autotuning.")
+    use_fp32_norm: bool = f(False, "InternLM's top-level use_fp32_norm; same as model.use_fp32_norm.")
+    seed: int = f(1024, "Seed of model init, dropout and (unless data.seed) data order.")
+    DO_ALERT: bool = f(False, "InternLM's alert switch; enables monitor.alert.enable_feishu_alert.")
+    tokenizer: Optional[str] = f(None, "Tokenizer of the data (model path or `byte`), recorded for export.")
