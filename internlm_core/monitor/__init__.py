@@ -1,0 +1,17 @@
+"""Monitoring and fault handling: alerts, the exception monitor, hang watchdog, loss health, stragglers, stop requests."""
+
+from .alert import AlertManager, FeishuSink, FileSink, WebhookSink, build_alert_manager, job_key
+from .exception_monitor import ExceptionMonitor, abort_process_group, monitored
+from .loss_health import LossHealthMonitor, build_loss_health
+from .stop import StopController, StopDecision, build_stop_controller
+from .straggler import StragglerMonitor, StragglerReport, build_straggler_monitor, diagnose_stragglers
+from .watchdog import HangWatchdog, build_watchdog, format_all_stacks
+
+__all__ = [
+    "AlertManager", "FeishuSink", "FileSink", "WebhookSink", "build_alert_manager", "job_key",
+    "ExceptionMonitor", "abort_process_group", "monitored",
+    "LossHealthMonitor", "build_loss_health",
+    "StopController", "StopDecision", "build_stop_controller",
+    "StragglerMonitor", "StragglerReport", "build_straggler_monitor", "diagnose_stragglers",
+    "HangWatchdog", "build_watchdog", "format_all_stacks",
+]
