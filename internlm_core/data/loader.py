@@ -74,6 +74,10 @@ class TrainLoader:
         self._orders: Dict[int, StreamOrder] = {}
         self._lock = threading.Lock()
 
+    @property
+    def type_names(self) -> Dict[int, str]:
+        return dict(self.corpus.type_names)
+
     # -- order
     def _order(self, epoch: int) -> StreamOrder:
         with self._lock:
@@ -191,6 +195,10 @@ class ValidLoader:
 
     def __len__(self) -> int:
         return self.num_batches
+
+    @property
+    def type_names(self) -> Dict[int, str]:
+        return dict(self.corpus.type_names)
 
     def __iter__(self) -> Iterator[Batch]:
         for j in range(self.num_batches):
