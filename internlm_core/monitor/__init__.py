@@ -4,7 +4,8 @@ from .alert import AlertManager, FeishuSink, FileSink, WebhookSink, build_alert_
 from .exception_monitor import ExceptionMonitor, abort_process_group, monitored
 from .loss_health import LossHealthMonitor, build_loss_health
 from .stop import StopController, StopDecision, build_stop_controller
-from .straggler import StragglerMonitor, StragglerReport, build_straggler_monitor, diagnose_stragglers
+from .straggler import (StragglerMonitor, StragglerReport, build_straggler_monitor, device_benchmark,
+                        diagnose_stragglers)
 from .watchdog import HangWatchdog, build_watchdog, format_all_stacks
 
 __all__ = [
@@ -12,6 +13,6 @@ __all__ = [
     "ExceptionMonitor", "abort_process_group", "monitored",
     "LossHealthMonitor", "build_loss_health",
     "StopController", "StopDecision", "build_stop_controller",
-    "StragglerMonitor", "StragglerReport", "build_straggler_monitor", "diagnose_stragglers",
+    "StragglerMonitor", "StragglerReport", "build_straggler_monitor", "device_benchmark", "diagnose_stragglers",
     "HangWatchdog", "build_watchdog", "format_all_stacks",
 ]

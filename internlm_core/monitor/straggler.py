@@ -1,14 +1,23 @@
-"""Straggler diagnosis, after InternLM's `empty_cache_and_diag`: gather step times, name the slow ranks.
+"""Straggler diagnosis, after InternLM's `empty_cache_and_diag`: gather per-rank times, name the slow ranks.
 
-    diag = build_straggler_monitor(cfg.data, rank)   # None when data.empty_cache_and_diag_interval <= 0
-    callbacks.add(diag)
+    diag = build_straggler_monitor(cfg.data, rank, device=device, time_keys=("fwd", "bwd"))
+    if diag: callbacks.add(diag)    # None when data.empty_cache_and_diag_interval <= 0
 
-Every `interval` steps each rank contributes the mean wall time of its steps since the last check
-(measured between `on_step_end` calls, so data wait, compute and communication all count); the times
-and host names are all-gathered (gloo or NCCL; a single process without a group just reports itself),
-and ranks slower than `outlier_ratio` × the mean are reported with their host, as a warning on rank 0.
-All ranks must run the check at the same steps (they do: it is keyed on the step number). When the
-training `device` is CUDA the allocator cache is emptied after the check, as InternLM does.
+Why not the wall time of a step: in synchronous training every rank waits for the slowest one in its
+collectives, so wall step times are the same on all ranks and name nobody. What differs per rank is
+the time spent *outside* waits. Every `interval` steps the monitor gathers, per rank:
+
+* `compute`: the sum over the window of the metrics named by `time_keys` (the trainer's per-rank timers,
+  e.g. forward and backward, or data wait) when the metrics record carries them;
+* `bench`: the time of a fixed local matrix-multiply benchmark on the training device (as InternLM's
+  `bench_gpu`), which finds a slow or throttled device whatever the parallel layout; no collective inside;
+* `step_time`: the mean wall time between step ends, only when neither of the above is available
+  (useful without synchronizing collectives).
+
+All are gathered in one `all_gather_object` (gloo or NCCL; a single process reports itself), and a rank
+whose time exceeds `outlier_ratio` × the mean of that measure is reported with its host, as a warning on
+rank 0. Every rank runs the check at the same steps (keyed on the step number). On a CUDA device the
+allocator cache is emptied afterwards, as InternLM does.
 """
 
 from __future__ import annotations
@@ -16,7 +25,7 @@ from __future__ import annotations
 import socket
 import time
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any, Mapping, Optional, Sequence, Union
 
 import torch
 import torch.distributed as dist
@@ -33,66 +42,108 @@ logger = get_logger(__name__)
 class Straggler:
     rank: int
     host: str
-    step_time: float
-    ratio: float  # step_time / mean
+    measure: str
+    seconds: float
+    ratio: float  # seconds / mean of the measure
 
 
 @dataclass
 class StragglerReport:
     step: Optional[int]
-    step_times: list[float]
-    hosts: list[str]
-    mean: float
     outlier_ratio: float
+    ranks: list[int]
+    hosts: list[str]
+    times: dict[str, list[float]]  # measure -> seconds per rank (in `ranks` order)
     stragglers: list[Straggler] = field(default_factory=list)
+
+    def mean(self, measure: str) -> float:
+        values = self.times[measure]
+        return sum(values) / len(values)
 
     def format(self) -> str:
         at = f"step {self.step}: " if self.step is not None else ""
+        means = ", ".join(f"{m} mean {self.mean(m):.4f} s max {max(v):.4f} s" for m, v in self.times.items())
         if not self.stragglers:
-            return (f"{at}no straggler among {len(self.step_times)} rank(s); mean step time {self.mean:.3f} s, "
-                    f"slowest {max(self.step_times):.3f} s")
-        slow = ", ".join(f"rank {s.rank} ({s.host}) {s.step_time:.3f} s = {s.ratio:.2f}x" for s in self.stragglers)
-        return (f"{at}{len(self.stragglers)} straggler(s) slower than {self.outlier_ratio:g}x the mean step time "
-                f"{self.mean:.3f} s: {slow}")
+            return f"{at}no straggler among {len(self.ranks)} rank(s) ({means})"
+        slow = "; ".join(f"rank {s.rank} ({s.host}) {s.measure} {s.seconds:.4f} s = {s.ratio:.2f}x the mean"
+                         for s in self.stragglers)
+        return f"{at}{len(self.stragglers)} straggler(s) slower than {self.outlier_ratio:g}x the mean: {slow} ({means})"
 
 
-def diagnose_stragglers(step_time: float, outlier_ratio: float, step: Optional[int] = None,
+def diagnose_stragglers(times: Union[float, Mapping[str, float]], outlier_ratio: float, step: Optional[int] = None,
                         group: Optional[dist.ProcessGroup] = None) -> StragglerReport:
-    """All-gather this rank's `step_time` (seconds) and host over `group`; every rank gets the same report.
+    """All-gather this rank's times (seconds; a float means {"step_time": t}) and host; same report on every rank.
 
-    A collective: every rank of `group` must call it. Without a process group it reports this process alone.
+    A collective: every rank of `group` must call it, with the same measure names. Without a process
+    group it reports this process alone.
     """
+    mine = {"step_time": float(times)} if isinstance(times, (int, float)) else {k: float(v) for k, v in times.items()}
     host = socket.gethostname()
     if dist_ready():
         gathered: list[Any] = [None] * dist.get_world_size(group)
-        dist.all_gather_object(gathered, (float(step_time), host), group=group)
-        times = [float(t) for t, _ in gathered]
-        hosts = [str(h) for _, h in gathered]
-        ranks = dist.get_process_group_ranks(group) if group is not None else list(range(len(times)))
+        dist.all_gather_object(gathered, (mine, host), group=group)
+        ranks = dist.get_process_group_ranks(group) if group is not None else list(range(len(gathered)))
     else:
-        times, hosts, ranks = [float(step_time)], [host], [0]
-    mean = sum(times) / len(times)
-    stragglers = [Straggler(rank=r, host=h, step_time=t, ratio=t / mean)
-                  for r, h, t in zip(ranks, hosts, times) if mean > 0 and t > outlier_ratio * mean]
-    return StragglerReport(step=step, step_times=times, hosts=hosts, mean=mean, outlier_ratio=outlier_ratio,
-                           stragglers=stragglers)
+        gathered, ranks = [(mine, host)], [0]
+    hosts = [h for _, h in gathered]
+    per_measure = {m: [float(t[m]) for t, _ in gathered] for m in mine}
+    report = StragglerReport(step=step, outlier_ratio=outlier_ratio, ranks=ranks, hosts=hosts, times=per_measure)
+    for m, values in per_measure.items():
+        mean = sum(values) / len(values)
+        for r, h, v in zip(ranks, hosts, values):
+            if mean > 0 and v > outlier_ratio * mean:
+                report.stragglers.append(Straggler(rank=r, host=h, measure=m, seconds=v, ratio=v / mean))
+    return report
+
+
+def device_benchmark(device: Optional[torch.device] = None, size: Optional[int] = None, iters: int = 5) -> float:
+    """Seconds for `iters` square matmuls on `device` (bf16 4096 on CUDA, fp32 256 on CPU); purely local."""
+    device = torch.device(device) if device is not None else torch.device("cpu")
+    cuda = device.type == "cuda"
+    n = size or (4096 if cuda else 256)
+    a = torch.randn(n, n, device=device, dtype=torch.bfloat16 if cuda else torch.float32)
+    b = torch.randn(n, n, device=device, dtype=a.dtype)
+    torch.mm(a, b)  # warm-up
+    if cuda:
+        torch.cuda.synchronize(device)
+    t0 = time.perf_counter()
+    for _ in range(iters):
+        torch.mm(a, b)
+    if cuda:
+        torch.cuda.synchronize(device)
+    return time.perf_counter() - t0
 
 
 class StragglerMonitor(TrainerCallback):
-    """Runs `diagnose_stragglers` every `interval` steps on the mean step time since the last check."""
+    """Runs `diagnose_stragglers` every `interval` steps (see the module docstring).
+
+    Args:
+        interval: steps between checks (`data.empty_cache_and_diag_interval`).
+        outlier_ratio: report ranks above this ratio of the mean (`data.diag_outlier_ratio`).
+        rank: this process's global rank (rank 0 logs the report).
+        group: process group to compare over (None: all ranks).
+        device: the training device (benchmark there; empty the CUDA cache after a check).
+        time_keys: per-rank timer keys of the metrics record summed into `compute`.
+        bench: run the local device benchmark at each check.
+    """
 
     def __init__(self, interval: int, outlier_ratio: float = 1.1, rank: int = 0,
-                 group: Optional[dist.ProcessGroup] = None, device: Optional[torch.device] = None):
+                 group: Optional[dist.ProcessGroup] = None, device: Optional[torch.device] = None,
+                 time_keys: Sequence[str] = (), bench: bool = True):
         if interval <= 0:
             raise ValueError(f"straggler check interval: expected > 0 steps, got {interval}")
         self.interval = int(interval)
         self.outlier_ratio = float(outlier_ratio)
         self.rank = rank
         self.group = group
-        self.device = torch.device(device) if device is not None else None
+        self.device = torch.device(device) if device is not None else torch.device("cpu")
+        self.time_keys = tuple(time_keys)
+        self.bench = bench
         self.last_report: Optional[StragglerReport] = None
         self._t_last: Optional[float] = None
-        self._elapsed = 0.0
+        self._wall = 0.0
+        self._compute = 0.0
+        self._has_compute = False
         self._count = 0
 
     def on_train_start(self, trainer: Any) -> None:
@@ -101,27 +152,38 @@ class StragglerMonitor(TrainerCallback):
     def on_step_end(self, trainer: Any, metrics: dict) -> None:
         now = time.perf_counter()
         if self._t_last is not None:
-            self._elapsed += now - self._t_last
-            self._count += 1
+            self._wall += now - self._t_last
         self._t_last = now
+        self._count += 1
+        present = [k for k in self.time_keys if k in metrics]
+        if present:
+            self._has_compute = True
+            self._compute += sum(float(metrics[k]) for k in present)
         step = int(metrics["step"])
-        if step % self.interval or self._count == 0:
+        if step % self.interval:
             return
-        report = diagnose_stragglers(self._elapsed / self._count, self.outlier_ratio, step=step, group=self.group)
+        times: dict[str, float] = {}
+        if self._has_compute:
+            times["compute"] = self._compute
+        if self.bench:
+            times["bench"] = device_benchmark(self.device)
+        if not times:
+            times["step_time"] = self._wall / self._count
+        report = diagnose_stragglers(times, self.outlier_ratio, step=step, group=self.group)
         self.last_report = report
-        self._elapsed, self._count = 0.0, 0
+        self._wall, self._compute, self._count = 0.0, 0.0, 0
         if self.rank == 0:
             (logger.warning if report.stragglers else logger.info)("straggler check: %s", report.format())
-        if self.device is not None and self.device.type == "cuda":
+        if self.device.type == "cuda":
             torch.cuda.empty_cache()
-        self._t_last = time.perf_counter()  # the check itself is not a step
+        self._t_last = time.perf_counter()  # the check itself is not part of a step
 
 
 def build_straggler_monitor(data_cfg: Any, rank: int = 0, group: Optional[dist.ProcessGroup] = None,
-                            device: Optional[torch.device] = None) -> Optional[StragglerMonitor]:
+                            device: Optional[torch.device] = None, **kwargs: Any) -> Optional[StragglerMonitor]:
     """From `cfg.data.empty_cache_and_diag_interval` and `cfg.data.diag_outlier_ratio`; None when the interval <= 0."""
     interval = int(getattr(data_cfg, "empty_cache_and_diag_interval", 0) or 0)
     if interval <= 0:
         return None
     return StragglerMonitor(interval, getattr(data_cfg, "diag_outlier_ratio", 1.1), rank=rank, group=group,
-                            device=device)
+                            device=device, **kwargs)
