@@ -1,0 +1,82 @@
+"""ParallelDims: the data / zero / tensor / pipeline layout from `parallel`, and its device mesh."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+from ..config.schema import ParallelConfig
+from ..errors import ConfigError
+
+
+@dataclass
+class ParallelDims:
+    """data parallel = world / (tensor * pipeline); within it, parameters and optimizer state are
+    sharded over `dp_shard` ranks (InternLM's zero1: <=0 all of dp, 1 none, k groups of k) and
+    replicated over `dp_replicate` = dp / dp_shard (HSDP)."""
+
+    world_size: int
+    tp: int = 1
+    pp: int = 1
+    zero1: int = -1
+    mesh: Optional[DeviceMesh] = field(default=None, repr=False)
+
+    def __post_init__(self) -> None:
+        if self.world_size % (self.tp * self.pp):
+            raise ConfigError(f"world size {self.world_size} is not divisible by parallel.tensor * parallel.pipeline "
+                              f"({self.tp} * {self.pp})")
+        if self.zero1 > 1 and self.dp % self.zero1:
+            raise ConfigError(f"parallel.zero1 ({self.zero1}) must divide the data-parallel size ({self.dp})")
+
+    @classmethod
+    def from_config(cls, p: ParallelConfig, world_size: int) -> "ParallelDims":
+        return cls(world_size=world_size, tp=p.tensor, pp=p.pipeline, zero1=p.zero1)
+
+    @property
+    def dp(self) -> int:
+        return self.world_size // (self.tp * self.pp)
+
+    @property
+    def dp_shard(self) -> int:
+        return self.dp if self.zero1 <= 0 else 1 if self.zero1 == 1 else self.zero1
+
+    @property
+    def dp_replicate(self) -> int:
+        return self.dp // self.dp_shard
+
+    def build_mesh(self, device_type: str) -> Optional[DeviceMesh]:
+        """Mesh ("pp", "dp_replicate", "dp_shard", "tp") with a flattened "dp"; None for one process."""
+        if self.world_size == 1 or not dist.is_initialized():
+            return None
+        mesh = init_device_mesh(device_type, (self.pp, self.dp_replicate, self.dp_shard, self.tp),
+                                mesh_dim_names=("pp", "dp_replicate", "dp_shard", "tp"))
+        mesh["dp_replicate", "dp_shard"]._flatten("dp")
+        self.mesh = mesh
+        return mesh
+
+    def _coord(self, name: str) -> tuple[int, int]:
+        if self.mesh is None:
+            return 0, 1
+        sub = self.mesh[name]
+        return sub.get_local_rank(), sub.size()
+
+    @property
+    def dp_rank(self) -> int:
+        return self._coord("dp")[0]
+
+    @property
+    def tp_rank(self) -> int:
+        return self._coord("tp")[0]
+
+    @property
+    def pp_rank(self) -> int:
+        return self._coord("pp")[0]
+
+    def group(self, name: str) -> Optional[dist.ProcessGroup]:
+        """The process group of one mesh dimension ("dp", "tp", "pp", ...); None for one process."""
+        if self.mesh is None:
+            return None
+        return self.mesh[name].get_group()

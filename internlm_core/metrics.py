@@ -1,0 +1,93 @@
+"""Training and validation metrics: AccPerplex (accuracy, perplexity, per dataset type) and throughput/MFU."""
+
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+
+class AccPerplex:
+    """Token accuracy and perplexity, overall and per dataset type (from `type_ids`).
+
+    Accumulates sums over micro-batches (and ranks, via `process_group`) until `get_metric()` resets.
+    ppl = exp(sum of token cross entropies / number of tokens), tokens with label -100 excluded.
+    """
+
+    def __init__(self, type_names: Optional[dict[int, str]] = None, process_group: Optional[dist.ProcessGroup] = None,
+                 max_types: int = 64):
+        self.type_names = dict(type_names or {})
+        self.process_group = process_group
+        self.max_types = max_types
+        self.reset()
+
+    def reset(self) -> None:
+        # [right, tokens, loss_sum] per type id; index max_types-1 is unused overflow guard
+        self._sums: Optional[torch.Tensor] = None
+
+    @torch.no_grad()
+    def update(self, logits: torch.Tensor, labels: torch.Tensor, type_ids: Optional[torch.Tensor] = None,
+               token_losses: Optional[torch.Tensor] = None) -> None:
+        """logits [..., V], labels [...], type_ids like labels; token_losses: per-token CE if already computed."""
+        logits = logits.reshape(-1, logits.shape[-1])
+        labels = labels.reshape(-1)
+        if token_losses is None:
+            token_losses = F.cross_entropy(logits.float(), labels, ignore_index=-100, reduction="none")
+        valid = labels != -100
+        right = (logits.argmax(dim=-1) == labels) & valid
+        types = (type_ids.reshape(-1) if type_ids is not None else torch.zeros_like(labels)).clamp(0, self.max_types - 1)
+        types = types.to(labels.device)
+        stats = torch.stack([right.float(), valid.float(), token_losses.reshape(-1).float() * valid])  # [3, N]
+        sums = torch.zeros(3, self.max_types, dtype=torch.float64, device=labels.device)
+        sums.index_add_(1, types, stats.double())
+        self._sums = sums if self._sums is None else self._sums + sums
+
+    def get_metric(self, reset: bool = True) -> dict[str, float]:
+        """{"acc", "ppl", "tokens", "loss_from_metric", "acc/{type}", "loss/{type}", "ppl/{type}"} summed over ranks."""
+        sums = self._sums if self._sums is not None else torch.zeros(3, self.max_types, dtype=torch.float64)
+        if self.process_group is not None and dist.is_initialized():
+            sums = sums.clone()
+            dist.all_reduce(sums, group=self.process_group)
+        sums = sums.cpu()
+        right, tokens, loss = sums[0], sums[1], sums[2]
+        total = tokens.sum().item()
+        out = {"tokens": total}
+        if total > 0:
+            mean_loss = loss.sum().item() / total
+            out.update(acc=right.sum().item() / total, loss_from_metric=mean_loss, ppl=_safe_exp(mean_loss))
+        for t in torch.nonzero(tokens > 0).flatten().tolist():
+            name = self.type_names.get(t, str(t))
+            n = tokens[t].item()
+            out[f"acc/{name}"] = right[t].item() / n
+            out[f"loss/{name}"] = loss[t].item() / n
+            out[f"ppl/{name}"] = _safe_exp(loss[t].item() / n)
+        if reset:
+            self.reset()
+        return out
+
+
+def _safe_exp(x: float) -> float:
+    return math.exp(x) if x < 700 else float("inf")
+
+
+class Throughput:
+    """Per-step tokens/s per device (InternLM's tgs), achieved TFLOPS per device and MFU.
+
+    FLOPs per token come from `model.flops_per_token` (6*N + 12*L*h*s); the peak is per device and
+    per dtype (see utils/peak.py), None when unknown — then MFU is reported as None, never guessed.
+    """
+
+    def __init__(self, flops_per_token: int, world_size: int, peak_flops: Optional[float]):
+        self.flops_per_token = flops_per_token
+        self.world_size = world_size
+        self.peak_flops = peak_flops
+
+    def compute(self, tokens: int, seconds: float) -> dict[str, Optional[float]]:
+        """`tokens` trained by the whole job in `seconds`."""
+        tgs = tokens / max(seconds, 1e-9) / self.world_size
+        flops = tgs * self.flops_per_token
+        return {"tgs": tgs, "tflops": flops / 1e12,
+                "mfu": (flops / self.peak_flops) if self.peak_flops else None}

@@ -1,0 +1,123 @@
+"""Wire one run from its config: each component by one small build function, in the order of ARCHITECTURE.md."""
+
+from __future__ import annotations
+
+import datetime
+import os
+import socket
+from pathlib import Path
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+from ..config import Config, dump_yaml
+from ..distributed import LaunchInfo, ParallelDims, set_deterministic, set_seed
+from ..loss import FlashGPTLMLoss
+from ..metrics import AccPerplex, Throughput
+from ..model import build_model, count_parameters, flops_per_token, model_args_from_config
+from ..optim import Beta2Scheduler, DynamicGradScaler, WarmupCosineLR, build_optimizer
+from ..parallel import parallelize_model
+from ..utils.logging import get_logger
+from ..utils.peak import device_peak_flops
+from ..utils.timer import Timers
+from ..utils.writer import MetricsWriter
+from .callbacks import CallbackList, TrainerCallback
+from .hooks import HookList, SchedulerMetricHook
+from .state import BatchSkipper, TrainState
+from .trainer import COMPUTE_DTYPES, Trainer
+
+logger = get_logger(__name__)
+
+
+def resolve_run_dir(cfg: Config, run_dir: Optional[str], launch: LaunchInfo) -> Path:
+    """`--run-dir`, or RUN/{JOB_NAME}/{launch_time}; the time comes from rank 0 so every rank agrees."""
+    if run_dir is None:
+        stamp = [datetime.datetime.now().strftime("%Y%m%d-%H%M%S")]
+        if launch.distributed:
+            dist.broadcast_object_list(stamp, src=0)
+        run_dir = os.path.join("RUN", cfg.JOB_NAME, stamp[0])
+    path = Path(run_dir)
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+def write_run_files(cfg: Config, run_dir: Path, launch: LaunchInfo) -> None:
+    """The resolved config (YAML) and how the run was launched, for the record."""
+    if launch.rank != 0:
+        return
+    (run_dir / "config.yaml").write_text(dump_yaml(cfg))
+
+
+def setup_numerics(cfg: Config, seed: int) -> None:
+    set_seed(seed)
+    set_deterministic(cfg.cudnn_deterministic, cfg.cudnn_benchmark)
+    if cfg.model.dtype == "torch.tf32":
+        torch.backends.cuda.matmul.allow_tf32 = True
+        torch.backends.cudnn.allow_tf32 = True
+
+
+def build_loss(cfg: Config) -> FlashGPTLMLoss:
+    return FlashGPTLMLoss(parallel_output=cfg.model.parallel_output, label_smoothing=cfg.loss.label_smoothing)
+
+
+def build_schedulers(cfg: Config, optimizer: torch.optim.Optimizer) -> tuple[WarmupCosineLR, Beta2Scheduler]:
+    ls, bs = cfg.lr_scheduler, cfg.beta2_scheduler
+    lr = WarmupCosineLR(optimizer, ls.total_steps, ls.warmup_ratio, ls.eta_min, ls.init_steps)
+    beta2 = Beta2Scheduler(optimizer, bs.init_beta2, bs.c, bs.cur_iter)
+    return lr, beta2
+
+
+def build_grad_scaler(cfg: Config) -> Optional[DynamicGradScaler]:
+    """Loss scaling only for fp16 (bf16 and fp32 have the exponent range to do without)."""
+    return DynamicGradScaler(cfg.grad_scaler) if cfg.model.dtype == "torch.float16" else None
+
+
+def build_data(cfg: Config, dims: ParallelDims):
+    from ..data import build_train_loader, build_valid_loaders
+    kw = dict(dp_rank=dims.dp_rank, dp_size=dims.dp, vocab_size=cfg.model.vocab_size)
+    return build_train_loader(cfg.data, **kw), build_valid_loaders(cfg.data, **kw)
+
+
+def build_trainer(cfg: Config, launch: LaunchInfo, run_dir: Path, seed: Optional[int] = None,
+                  extra_callbacks: Optional[list[TrainerCallback]] = None) -> Trainer:
+    """Build every component of a run; loading a checkpoint (if any) is left to `CheckpointManager`."""
+    seed = cfg.seed if seed is None else seed
+    setup_numerics(cfg, seed)
+    dims = ParallelDims.from_config(cfg.parallel, launch.world_size)
+    dims.build_mesh(launch.device.type)
+    write_run_files(cfg, run_dir, launch)
+
+    model = build_model(cfg, launch.device)
+    n_params = count_parameters(model)
+    model = parallelize_model(model, cfg, dims)
+    args = model_args_from_config(cfg, launch.device.type, quiet=True)
+    logger.info(f"model {cfg.model_type}: {n_params:,} parameters, {cfg.model.num_layers} layers, "
+                f"hidden {cfg.model.hidden_size}, attention {args.attn_backend}, dtype {cfg.model.dtype}; "
+                f"layout dp={dims.dp} (shard {dims.dp_shard} x replicate {dims.dp_replicate}) "
+                f"tp={dims.tp} pp={dims.pp} on {launch.world_size} process(es), {launch.device}")
+
+    optimizer = build_optimizer(model, cfg.adam, launch.device.type)
+    lr_scheduler, beta2_scheduler = build_schedulers(cfg, optimizer)
+    train_loader, valid_loaders = build_data(cfg, dims)
+
+    state = TrainState(tensorboard_folder=str(run_dir / "tensorboard"))
+    rank0 = launch.rank == 0
+    writer = MetricsWriter(run_dir, active=rank0,
+                           tensorboard_dir=state.tensorboard_folder if cfg.monitor.tensorboard else None,
+                           log_every=cfg.monitor.log_every)
+    peak = device_peak_flops(launch.device, COMPUTE_DTYPES[cfg.model.dtype])
+    throughput = Throughput(flops_per_token(args, cfg.data.seq_len), launch.world_size, peak)
+    timers = Timers(cuda_sync=False)
+    type_names = getattr(train_loader, "type_names", None) or {}
+    metric = AccPerplex(type_names, dims.group("dp") if dims.dp > 1 else None)
+    hooks = HookList([SchedulerMetricHook(timers, metric)])
+    trainer = Trainer(
+        cfg=cfg, model=model, loss_fn=build_loss(cfg), optimizer=optimizer, lr_scheduler=lr_scheduler,
+        beta2_scheduler=beta2_scheduler, grad_scaler=build_grad_scaler(cfg), train_loader=train_loader,
+        valid_loaders=valid_loaders, state=state, dims=dims, device=launch.device, run_dir=run_dir,
+        rank=launch.rank, world_size=launch.world_size, writer=writer, throughput=throughput, timers=timers,
+        train_metric=metric, hooks=hooks, callbacks=CallbackList(extra_callbacks),
+        batch_skipper=BatchSkipper(cfg.data.skip_batches))
+    logger.info(f"run folder {run_dir} on {socket.gethostname()}")
+    return trainer

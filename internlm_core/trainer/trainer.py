@@ -1,0 +1,242 @@
+"""The step loop: micro_num forward/backward per batch, clip + step (skip on inf/nan), metrics, validation."""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterable, Iterator, Optional
+
+import torch
+import torch.distributed as dist
+
+from ..config import Config
+from ..distributed.parallel_dims import ParallelDims
+from ..errors import DataError
+from ..loss import FlashGPTLMLoss
+from ..metrics import AccPerplex, Throughput
+from ..optim import Beta2Scheduler, DynamicGradScaler, WarmupCosineLR, clip_and_check
+from ..utils.logging import get_logger
+from ..utils.timer import Timers
+from ..utils.writer import MetricsWriter
+from .callbacks import CallbackList
+from .hooks import HookList
+from .state import BatchSkipper, TrainState
+
+logger = get_logger(__name__)
+
+COMPUTE_DTYPES = {"torch.float32": torch.float32, "torch.tf32": torch.float32,
+                  "torch.bfloat16": torch.bfloat16, "torch.float16": torch.float16}
+
+
+@dataclass
+class StopRequest:
+    """Set by callbacks (stop file, signals, loss health) to end the loop after the current step."""
+
+    stop: bool = False
+    save: bool = False
+    reason: str = ""
+
+
+@dataclass
+class Trainer:
+    """Everything one run needs, built by `build_trainer`; `train()` runs the loop."""
+
+    cfg: Config
+    model: torch.nn.Module
+    loss_fn: FlashGPTLMLoss
+    optimizer: torch.optim.Optimizer
+    lr_scheduler: WarmupCosineLR
+    beta2_scheduler: Beta2Scheduler
+    grad_scaler: Optional[DynamicGradScaler]
+    train_loader: Any
+    valid_loaders: dict[str, Iterable]
+    state: TrainState
+    dims: ParallelDims
+    device: torch.device
+    run_dir: Path
+    rank: int
+    world_size: int
+    writer: MetricsWriter
+    throughput: Throughput
+    timers: Timers
+    train_metric: AccPerplex
+    hooks: HookList
+    callbacks: CallbackList
+    batch_skipper: BatchSkipper
+    checkpoint_manager: Any = None
+    stop_request: StopRequest = field(default_factory=StopRequest)
+    last_metrics: dict = field(default_factory=dict)
+
+    # ---- pieces of one step -------------------------------------------------------------------
+
+    def autocast(self) -> contextlib.AbstractContextManager:
+        dtype = COMPUTE_DTYPES[self.cfg.model.dtype]
+        if dtype == torch.float32:
+            return contextlib.nullcontext()
+        return torch.autocast(self.device.type, dtype=dtype)
+
+    def _micro_batches(self, batch: dict, n: int) -> Iterator[dict]:
+        """Split a batch into micro-batches shaped [micro_bsz, seq_len] (rows never share a document)."""
+        seq_len = self.cfg.data.seq_len
+        for i in range(n):
+            ids = batch["input_ids"][i]
+            rows = ids.numel() // seq_len
+            yield {
+                "input_ids": ids.view(rows, seq_len).to(self.device, non_blocking=True),
+                "labels": batch["labels"][i].view(rows, seq_len).to(self.device, non_blocking=True),
+                "position_ids": batch["position_ids"][i].view(rows, seq_len).to(self.device, non_blocking=True),
+                "type_ids": batch["type_ids"][i].view(rows, seq_len).to(self.device, non_blocking=True),
+                "cu_seqlens": batch["cu_seqlens"][i],
+            }
+
+    def _check_vocab(self, batch: dict) -> None:
+        vmax = int(batch["input_ids"].max())
+        if vmax >= self.cfg.model.vocab_size or int(batch["input_ids"].min()) < 0:
+            raise DataError(f"batch {self.state.batch_count}: token id {vmax} is outside the model's vocabulary "
+                            f"[0, {self.cfg.model.vocab_size}) (model.vocab_size); was the data tokenized with "
+                            f"another tokenizer?")
+
+    def forward_backward(self, batch: dict, forward_only: bool = False) -> torch.Tensor:
+        """Run all micro-batches; returns the mean loss over them (a detached scalar)."""
+        n = batch["input_ids"].shape[0]
+        total = torch.zeros((), device=self.device)
+        scale = self.grad_scaler.scale if (self.grad_scaler is not None and not forward_only) else 1.0
+        for i, mb in enumerate(self._micro_batches(batch, n)):
+            last = i == n - 1
+            if not forward_only and hasattr(self.model, "set_requires_gradient_sync"):
+                self.model.set_requires_gradient_sync(last)  # FSDP: reduce gradients once per step
+            with self.autocast():
+                self.hooks.before_forward()
+                logits = self.model(mb["input_ids"], mb["position_ids"], mb["cu_seqlens"])
+                self.hooks.after_forward()
+                self.hooks.before_criterion()
+                loss = self.loss_fn(logits, mb["labels"])
+                self.hooks.after_criterion()
+            self.hooks.post_helper_func(logits.detach(), mb["labels"], mb["type_ids"],
+                                        self.loss_fn.last_token_losses if self.cfg.loss.label_smoothing == 0 else None)
+            total += loss.detach()
+            if not forward_only:
+                self.hooks.before_backward()
+                (loss * (scale / n)).backward()
+                self.hooks.after_backward()
+        return total / n
+
+    def optimizer_step(self) -> tuple[bool, float]:
+        """Clip and step; skip the update (and count it) when the gradient is inf/nan."""
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        inv = 1.0 / self.grad_scaler.scale if self.grad_scaler is not None else 1.0
+        grad_norm, finite = clip_and_check(params, self.cfg.hybrid_zero_optimizer.clip_grad_norm, inv,
+                                           pp_group=self.dims.group("pp") if self.dims.pp > 1 else None)
+        if self.grad_scaler is not None:
+            self.grad_scaler.update(not finite)
+        if finite:
+            self.optimizer.step()
+            self.lr_scheduler.step()
+            self.beta2_scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return finite, grad_norm
+
+    def _reduce_loss(self, loss: torch.Tensor) -> float:
+        if self.dims.dp > 1:
+            loss = loss.clone()
+            dist.all_reduce(loss, op=dist.ReduceOp.AVG, group=self.dims.group("dp"))
+        return loss.item()
+
+    # ---- the loop --------------------------------------------------------------------------------
+
+    def train_step(self, batch: dict, t_start: float) -> dict:
+        """One batch: forward/backward, step, metrics record."""
+        self.model.train()
+        loss = self.forward_backward(batch)
+        with self.timers("optim"):
+            success, grad_norm = self.optimizer_step()
+        st = self.state
+        if success:
+            st.step_count += 1
+        else:
+            st.inf_nan_skip_batches += 1
+            logger.warning(f"step {st.batch_count}: gradient norm is {grad_norm}; update skipped "
+                           f"({st.inf_nan_skip_batches} skipped so far)")
+        loss_value = self._reduce_loss(loss)
+        elapsed = time.perf_counter() - t_start
+        tokens = batch["input_ids"].numel() * self.dims.dp
+        metrics = {"step": st.batch_count, "loss": loss_value, "lr": self.optimizer.param_groups[0]["lr"],
+                   "grad_norm": grad_norm, **self.throughput.compute(tokens, elapsed),
+                   "num_consumed_tokens": st.num_consumed_tokens, "inf_nan_skip_batches": st.inf_nan_skip_batches,
+                   "skipped": not success, "step_time": elapsed,
+                   "adam_beta2": self.optimizer.param_groups[0]["betas"][1]}
+        if self.grad_scaler is not None:
+            metrics["loss_scale"] = self.grad_scaler.scale
+        m = self.train_metric.get_metric()
+        metrics.update({k: v for k, v in m.items() if k in ("acc", "ppl") or k.startswith("acc/")})
+        metrics.update({f"time/{k}": v for k, v in self.timers.pop().items()})
+        return metrics
+
+    def train(self) -> TrainState:
+        """Train until `data.total_steps` batches are done or a stop is requested."""
+        cfg, st = self.cfg, self.state
+        self.callbacks.fire("on_train_start", self)
+        train_iter = iter(self.train_loader)
+        logger.info(f"training from batch {st.batch_count} to {cfg.data.total_steps} "
+                    f"(micro_num={cfg.data.micro_num}, packed_length={cfg.data.packed_length}, dp={self.dims.dp})")
+        while st.batch_count < cfg.data.total_steps:
+            t_start = time.perf_counter()
+            with self.timers("data"):
+                batch = next(train_iter)
+            index = st.batch_count
+            st.batch_count += 1
+            st.num_consumed_samples_in_epoch += batch["input_ids"].shape[0]
+            st.num_consumed_tokens += batch["input_ids"].numel() * self.dims.dp
+            if self.batch_skipper(index):
+                logger.info(f"skip batch {index} (data.skip_batches)")
+                self.timers.pop()
+                continue
+            self._check_vocab(batch)
+            metrics = self.train_step(batch, t_start)
+            self.last_metrics = metrics
+            self.writer.write(st.batch_count, metrics)
+            self.callbacks.fire("on_step_end", self, metrics)
+            if cfg.data.valid_every > 0 and st.batch_count % cfg.data.valid_every == 0:
+                self.evaluate()
+            if self.stop_request.stop:
+                logger.info(f"stopping after step {st.batch_count}: {self.stop_request.reason}")
+                break
+        self.callbacks.fire("on_train_end", self)
+        self.writer.close()
+        return st
+
+    @torch.no_grad()
+    def evaluate(self) -> dict:
+        """Loss, ACC and PPL on every validation dataset (reported separately), averaged over dp ranks."""
+        if not self.valid_loaders:
+            return {}
+        self.model.eval()
+        results: dict[str, float] = {}
+        t0 = time.perf_counter()
+        for name, loader in self.valid_loaders.items():
+            metric = AccPerplex(self.train_metric.type_names, self.train_metric.process_group)
+            losses = []
+            for batch in loader:
+                with self.autocast():
+                    for mb in self._micro_batches(batch, batch["input_ids"].shape[0]):
+                        logits = self.model(mb["input_ids"], mb["position_ids"], mb["cu_seqlens"])
+                        losses.append(self.loss_fn(logits, mb["labels"]).detach())
+                        metric.update(logits, mb["labels"], mb["type_ids"], self.loss_fn.last_token_losses
+                                      if self.cfg.loss.label_smoothing == 0 else None)
+            m = metric.get_metric()
+            if not m.get("tokens"):
+                continue
+            results[f"valid/{name}/loss"] = m["loss_from_metric"]
+            results[f"valid/{name}/acc"] = m["acc"]
+            results[f"valid/{name}/ppl"] = m["ppl"]
+            for k, v in m.items():
+                if "/" in k:
+                    results[f"valid/{name}/{k}"] = v
+        results["valid_time"] = time.perf_counter() - t0
+        self.timers.pop()
+        self.model.train()
+        self.writer.write(self.state.batch_count, results, kind="valid")
+        self.callbacks.fire("on_validation_end", self, results)
+        return results

@@ -1,0 +1,66 @@
+"""internlm-core training entry point: wiring only.
+
+    python train.py --config configs/tiny.py                    # one process
+    torchrun --nproc_per_node 2 train.py --config configs/tiny.py
+    srun python train.py --config configs/7B.py --launcher slurm
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from internlm_core.errors import InternLMCoreError
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description="Pretrain a language model from a config in InternLM's format.")
+    p.add_argument("--config", required=True, help="Python (.py) or YAML config file")
+    p.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE",
+                   help="override config keys, e.g. --set data.total_steps=20 model.num_layers=2")
+    p.add_argument("--launcher", choices=["torch", "slurm"], default=None,
+                   help="how the processes were started (default: detect from the environment)")
+    p.add_argument("--seed", type=int, default=None, help="seed (default: the config's `seed`)")
+    p.add_argument("--run-dir", default=None, help="folder for everything this run writes "
+                                                   "(default RUN/{JOB_NAME}/{launch_time})")
+    p.add_argument("--dry-run", action="store_true",
+                   help="build the model on the meta device, print its size and memory, and exit")
+    p.add_argument("--profiling", action="store_true", help="run torch.profiler on a schedule (traces in the run folder)")
+    p.add_argument("--dist-timeout", type=float, default=600.0, help="seconds before a stuck collective fails")
+    return p.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    from internlm_core.config import load_config
+    from internlm_core.distributed import destroy_distributed, init_distributed
+    from internlm_core.utils.logging import setup_logging
+
+    if args.dry_run:
+        from internlm_core.model import build_model, count_parameters, model_args_from_config
+        from internlm_core.utils.estimate import describe
+        cfg = load_config(args.config, args.set)
+        n = count_parameters(build_model(cfg, "meta"))
+        print(describe(cfg, model_args_from_config(cfg)))
+        print(f"built on the meta device: {n:,} parameters")
+        return 0
+
+    launch = init_distributed(args.launcher, timeout_s=args.dist_timeout)
+    cfg = load_config(args.config, args.set, world_size=launch.world_size)
+    from internlm_core.trainer.build import build_trainer, resolve_run_dir
+    run_dir = resolve_run_dir(cfg, args.run_dir, launch)
+    setup_logging(launch.rank, run_dir)
+    try:
+        trainer = build_trainer(cfg, launch, run_dir, seed=args.seed)
+        trainer.train()
+    finally:
+        destroy_distributed()
+    return 0
+
+
+if __name__ == "__main__":
+    try:
+        sys.exit(main())
+    except InternLMCoreError as e:  # a user error: the message says what to fix, a traceback would not
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
