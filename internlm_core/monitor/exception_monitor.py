@@ -24,7 +24,8 @@ closed by peer"; NCCL: the communicator error surfaces via async error handling)
 their own monitor; torchrun and `srun --kill-on-bad-exit=1` also tear the remaining ranks down when
 one exits non-zero. Log handlers are flushed before the exit, so nothing written is lost.
 
-`hard_exit=False` re-raises the exception after steps 1-3 instead (tests, notebooks).
+`hard_exit=False` re-raises the exception after steps 1-3 instead (tests, notebooks). `SystemExit` is
+not a crash: it passes through with its status (queued alerts are flushed first).
 """
 
 from __future__ import annotations
@@ -136,7 +137,7 @@ class ExceptionMonitor:
             if self.alerts is not None:
                 self.alerts.flush(self.flush_timeout)
             return False
-        if isinstance(exc, SystemExit) and exc.code in (0, None):
+        if isinstance(exc, SystemExit):  # a deliberate exit (argparse, a tool): keep its status, no crash report
             if self.alerts is not None:
                 self.alerts.flush(self.flush_timeout)
             return False

@@ -96,6 +96,14 @@ def test_finish_notice_and_decorator():
     assert finish["content"].startswith("job okjob finished after 0.00 h")
 
 
+def test_system_exit_passes_through_with_its_status(tmp_path):
+    with pytest.raises(SystemExit) as ei:
+        with ExceptionMonitor(None, rank=0, run_dir=tmp_path):  # hard_exit=True: must not os._exit here
+            raise SystemExit(2)
+    assert ei.value.code == 2
+    assert not (tmp_path / "crash_rank0.txt").exists()
+
+
 SCRIPT = textwrap.dedent("""
     import sys, threading, time
     from internlm_core.monitor.alert import AlertManager, WebhookSink
