@@ -1,12 +1,15 @@
 """Stop requests: InternLM's stop file and SIGTERM / SIGUSR1, agreed on by all ranks at the same step.
 
     stop = build_stop_controller(cfg.ckpt, rank, alerts)    # installs the signal handlers
-    ...after each step (every rank, it is a collective when a process group exists):
+    callbacks.add(stop)   # before the checkpoint callback: on_step_end polls and fills trainer.stop_request
+
+or by hand, after each step (every rank: it is a collective when a process group exists):
+
     decision = stop.poll(step)          # `step`: the step number checkpoints are named by, after the step
     if decision.save: ckpt.save(step)   # then
     if decision.stop: break             # save, leave the loop, exit 0 (SLURM may requeue the job)
     ...
-    stop.close()                        # restores the previous signal handlers
+    stop.close()                        # restores the previous signal handlers (on_train_end does it)
 
 Stop file (InternLM's `ckpt.stop_file_path`): it holds one integer N. N < 0: save a checkpoint at step
 |N| and go on; N > 0: save at step N and stop; 0: nothing. The step must match exactly, as in InternLM
@@ -40,6 +43,7 @@ from typing import Any, Optional, Sequence
 import torch
 import torch.distributed as dist
 
+from internlm_core.trainer.callbacks import TrainerCallback
 from internlm_core.utils.logging import get_logger
 
 from ._dist import collective_device, dist_ready
@@ -60,7 +64,7 @@ class StopDecision:
     reason: str = ""
 
 
-class StopController:
+class StopController(TrainerCallback):
     """Turns the stop file and signals into one `StopDecision` per step, the same on all ranks.
 
     Args:
@@ -175,6 +179,23 @@ class StopController:
         if target != step:
             return StopDecision()
         return StopDecision(save=True, stop=quit_, reason=f"stop file {self.stop_file_path}: {file_value}")
+
+
+    # -- trainer callback ------------------------------------------------------------------------------
+    def on_step_end(self, trainer: Any, metrics: dict) -> None:
+        """Poll at `metrics["step"]`; put the decision into `trainer.stop_request` (save: this step only)."""
+        d = self.poll(int(metrics["step"]))
+        req = getattr(trainer, "stop_request", None)
+        if req is None:
+            return
+        req.save = d.save
+        if d.stop:
+            req.stop = True
+        if d.save or d.stop:
+            req.reason = d.reason
+
+    def on_train_end(self, trainer: Any) -> None:
+        self.close()
 
 
 def build_stop_controller(ckpt_cfg: Any, rank: int = 0, alerts: Optional[AlertManager] = None,

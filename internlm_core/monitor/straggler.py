@@ -1,14 +1,16 @@
 """Straggler diagnosis, after InternLM's `empty_cache_and_diag`: gather per-rank times, name the slow ranks.
 
-    diag = build_straggler_monitor(cfg.data, rank, device=device, time_keys=("fwd", "bwd"))
+    diag = build_straggler_monitor(cfg.data, rank, device=trainer.device)
     if diag: callbacks.add(diag)    # None when data.empty_cache_and_diag_interval <= 0
 
 Why not the wall time of a step: in synchronous training every rank waits for the slowest one in its
 collectives, so wall step times are the same on all ranks and name nobody. What differs per rank is
 the time spent *outside* waits. Every `interval` steps the monitor gathers, per rank:
 
-* `compute`: the sum over the window of the metrics named by `time_keys` (the trainer's per-rank timers,
-  e.g. forward and backward, or data wait) when the metrics record carries them;
+* each of `time_keys` the metrics record carries (default the trainer's per-rank timers `time/data`,
+  `time/fwd`, `time/cal_loss`, `time/bwd`), summed over the window. `time/data` is purely local (a slow
+  file system on one host stands out); forward and backward also contain waits in FSDP/DDP collectives,
+  which even out the ranks, so a slow device shows best in `bench`;
 * `bench`: the time of a fixed local matrix-multiply benchmark on the training device (as InternLM's
   `bench_gpu`), which finds a slow or throttled device whatever the parallel layout; no collective inside;
 * `step_time`: the mean wall time between step ends, only when neither of the above is available
@@ -36,6 +38,8 @@ from internlm_core.utils.logging import get_logger
 from ._dist import dist_ready
 
 logger = get_logger(__name__)
+
+DEFAULT_TIME_KEYS = ("time/data", "time/fwd", "time/cal_loss", "time/bwd")
 
 
 @dataclass
@@ -123,13 +127,13 @@ class StragglerMonitor(TrainerCallback):
         rank: this process's global rank (rank 0 logs the report).
         group: process group to compare over (None: all ranks).
         device: the training device (benchmark there; empty the CUDA cache after a check).
-        time_keys: per-rank timer keys of the metrics record summed into `compute`.
+        time_keys: per-rank timer keys of the metrics record, each compared across ranks.
         bench: run the local device benchmark at each check.
     """
 
     def __init__(self, interval: int, outlier_ratio: float = 1.1, rank: int = 0,
                  group: Optional[dist.ProcessGroup] = None, device: Optional[torch.device] = None,
-                 time_keys: Sequence[str] = (), bench: bool = True):
+                 time_keys: Sequence[str] = DEFAULT_TIME_KEYS, bench: bool = True):
         if interval <= 0:
             raise ValueError(f"straggler check interval: expected > 0 steps, got {interval}")
         self.interval = int(interval)
@@ -142,8 +146,7 @@ class StragglerMonitor(TrainerCallback):
         self.last_report: Optional[StragglerReport] = None
         self._t_last: Optional[float] = None
         self._wall = 0.0
-        self._compute = 0.0
-        self._has_compute = False
+        self._timed: dict[str, float] = {}
         self._count = 0
 
     def on_train_start(self, trainer: Any) -> None:
@@ -155,23 +158,20 @@ class StragglerMonitor(TrainerCallback):
             self._wall += now - self._t_last
         self._t_last = now
         self._count += 1
-        present = [k for k in self.time_keys if k in metrics]
-        if present:
-            self._has_compute = True
-            self._compute += sum(float(metrics[k]) for k in present)
+        for k in self.time_keys:
+            if k in metrics:
+                self._timed[k] = self._timed.get(k, 0.0) + float(metrics[k])
         step = int(metrics["step"])
         if step % self.interval:
             return
-        times: dict[str, float] = {}
-        if self._has_compute:
-            times["compute"] = self._compute
+        times: dict[str, float] = dict(self._timed)
         if self.bench:
             times["bench"] = device_benchmark(self.device)
         if not times:
             times["step_time"] = self._wall / self._count
         report = diagnose_stragglers(times, self.outlier_ratio, step=step, group=self.group)
         self.last_report = report
-        self._wall, self._compute, self._count = 0.0, 0.0, 0
+        self._wall, self._timed, self._count = 0.0, {}, 0
         if self.rank == 0:
             (logger.warning if report.stragglers else logger.info)("straggler check: %s", report.format())
         if self.device.type == "cuda":

@@ -50,7 +50,7 @@ result["dtensor_param_bytes"] = parameter_bytes(lin)
 result["dtensor_bytes"] = tensor_bytes([distribute_tensor(torch.zeros(16, 4), mesh, [Shard(0)])])
 
 stop = StopController(out / "stop_file", rank=rank, signals=(signal.SIGTERM, signal.SIGUSR1))
-diag = StragglerMonitor(interval=2, outlier_ratio=1.5, rank=rank, time_keys=("fwd",))
+diag = StragglerMonitor(interval=2, outlier_ratio=1.5, rank=rank, time_keys=("time/fwd",))
 if rank == 0:
     (out / "stop_file").write_text("-2")   # save (only) at step 2
 dist.barrier()
@@ -62,7 +62,7 @@ for step in range(1, 20):
     fwd = time.perf_counter() - t0
     if rank == 1 and step == 4:
         os.kill(os.getpid(), signal.SIGUSR1)
-    diag.on_step_end(None, {"step": step, "fwd": fwd})
+    diag.on_step_end(None, {"step": step, "time/fwd": fwd})
     d = stop.poll(step)
     decisions.append([step, d.save, d.stop, d.reason])
     if d.stop:
@@ -70,7 +70,7 @@ for step in range(1, 20):
 stop.close()
 r = diag.last_report
 result.update(decisions=decisions, report=r.format(), hosts=r.hosts, measures=sorted(r.times),
-              compute_stragglers=[s.rank for s in r.stragglers if s.measure == "compute"],
+              compute_stragglers=[s.rank for s in r.stragglers if s.measure == "time/fwd"],
               report_step=r.step)
 (out / f"result{rank}.json").write_text(json.dumps(result))
 dist.destroy_process_group()
@@ -152,8 +152,8 @@ def test_stragglers_stop_file_and_signal_agreement(tmp_path):
     assert len(r0["decisions"]) == len(r1["decisions"]) == 4
     # rank 1's timed section takes 0.25 s per step against 0.02 s: it is the straggler in both ranks' reports
     assert r0["report_step"] == r1["report_step"] == 4
-    assert r0["measures"] == ["bench", "compute"]
+    assert r0["measures"] == ["bench", "time/fwd"]
     assert r0["compute_stragglers"] == r1["compute_stragglers"] == [1]
     assert r0["hosts"] == [socket.gethostname()] * 2
-    assert f"rank 1 ({socket.gethostname()}) compute 0.5" in r0["report"]
+    assert f"rank 1 ({socket.gethostname()}) time/fwd 0.5" in r0["report"]
     assert "straggler(s) slower than 1.5x the mean" in r0["report"]

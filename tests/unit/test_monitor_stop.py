@@ -104,3 +104,24 @@ def test_no_stop_file_signals_only():
         assert c.poll(11).stop
     finally:
         c.close()
+
+
+def test_callback_fills_the_trainers_stop_request(controller):
+    from internlm_core.trainer.trainer import StopRequest
+
+    previous = signal.getsignal(signal.SIGTERM)
+    c = controller()
+    assert signal.getsignal(signal.SIGTERM) != previous
+    trainer = type("T", (), {"stop_request": StopRequest()})()
+    c.stop_file_path.write_text("-2")
+    c.on_step_end(trainer, {"step": 1})
+    assert trainer.stop_request == StopRequest()
+    c.on_step_end(trainer, {"step": 2})
+    assert trainer.stop_request == StopRequest(stop=False, save=True, reason=f"stop file {c.stop_file_path}: -2")
+    c.on_step_end(trainer, {"step": 3})  # a save-only request lasts one step
+    assert (trainer.stop_request.save, trainer.stop_request.stop) == (False, False)
+    os.kill(os.getpid(), signal.SIGTERM)
+    c.on_step_end(trainer, {"step": 4})
+    assert trainer.stop_request == StopRequest(stop=True, save=True, reason="SIGTERM received")
+    c.on_train_end(trainer)
+    assert signal.getsignal(signal.SIGTERM) == previous
