@@ -70,7 +70,7 @@ adam = dict(
 )
 
 lr_scheduler = dict(
-    total_steps=data["total_steps"],
+    # total_steps defaults to data.total_steps (so that `--set data.total_steps=N` shortens the schedule too)
     init_steps=0,
     warmup_ratio=0.01,
     eta_min=1e-5,

@@ -1,0 +1,36 @@
+# internlm-core: `make demo` and `make test` set everything up from scratch (a virtual environment in .venv).
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+DEMO_DIR ?= build/demo
+STAMP := $(VENV)/.installed
+
+.PHONY: venv demo test test-fast bench clean
+
+$(STAMP): requirements.txt requirements-dev.txt
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -r requirements-dev.txt
+	touch $(STAMP)
+
+venv: $(STAMP)
+
+# Build a corpus from Python's standard library, tokenize it, train configs/tiny.py on it.
+demo: $(STAMP)
+	$(PY) tools/make_demo_corpus.py --out $(DEMO_DIR)/corpus
+	$(PY) tools/tokenizer.py --text_input_path $(DEMO_DIR)/corpus/train --bin_output_path $(DEMO_DIR)/data/train --tokenizer byte
+	$(PY) tools/tokenizer.py --text_input_path $(DEMO_DIR)/corpus/valid --bin_output_path $(DEMO_DIR)/data/valid --tokenizer byte
+	$(PY) train.py --config configs/tiny.py --run-dir $(DEMO_DIR)/run \
+		--set data.train_folder=$(DEMO_DIR)/data/train data.valid_folder=$(DEMO_DIR)/data/valid model.vocab_size=512 data.total_steps=60 data.valid_every=20
+
+test: $(STAMP)
+	$(PY) -m pytest -q --timeout=600 tests
+
+test-fast: $(STAMP)
+	$(PY) -m pytest -q --timeout=300 tests/unit
+
+bench: $(STAMP)
+	$(PY) bench/run.py
+
+clean:
+	rm -rf $(VENV) build RUN

@@ -1,0 +1,37 @@
+"""Run train.py / torchrun as a user would, in a subprocess, from the repository root."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def env() -> dict:
+    e = dict(os.environ)
+    e["PYTHONPATH"] = str(ROOT) + os.pathsep + e.get("PYTHONPATH", "")
+    e.setdefault("OMP_NUM_THREADS", "1")
+    return e
+
+
+def run_train(args: list[str], nproc: int = 1, timeout: float = 300, script: str = "train.py",
+              extra_env: dict | None = None) -> subprocess.CompletedProcess:
+    """`python train.py ARGS` or `torchrun --standalone --nproc_per_node N train.py ARGS`."""
+    if nproc == 1:
+        cmd = [sys.executable, str(ROOT / script), *args]
+    else:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+               str(ROOT / script), *args]
+    e = env()
+    if extra_env:
+        e.update(extra_env)
+    return subprocess.run(cmd, cwd=ROOT, env=e, capture_output=True, text=True, timeout=timeout)
+
+
+def read_metrics(run_dir: Path, kind: str = "train") -> list[dict]:
+    lines = (Path(run_dir) / "metrics.jsonl").read_text().splitlines()
+    return [r for r in map(json.loads, lines) if r["kind"] == kind]
