@@ -219,3 +219,21 @@ def test_empty_and_missing_bin(tmp_path):
         open_token_file(str(tmp_path / "e.bin"))
     with pytest.raises(DataError, match=r"nope\.bin: no such file"):
         open_token_file(str(tmp_path / "nope.bin"))
+
+
+def test_ours_corrupted_token_data_fails_checksum(ours):
+    data = bytearray(ours.read_bytes())
+    data[HEADER_SIZE + 4] ^= 0x01  # flip one bit of a token id: same size, same header
+    ours.write_bytes(bytes(data))
+    with pytest.raises(DataError, match=rf"^{ours}: corrupted \.bin: the token data does not match the checksum in "
+                                        r"its \.bin\.meta"):
+        open_token_file(str(ours))
+
+
+def test_verify_command(tmp_path, ours, capsys):
+    from internlm_core.data.formats import _main
+    assert _main([str(tmp_path)]) == 0
+    assert f"ok  {ours}: ours, 3 documents, 9 tokens" in capsys.readouterr().out
+    Path(str(ours) + ".meta").write_bytes(b"")
+    assert _main([str(ours)]) == 1
+    assert "truncated .bin.meta: 0 bytes" in capsys.readouterr().err
