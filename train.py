@@ -50,11 +50,14 @@ def main(argv=None) -> int:
     from internlm_core.trainer.build import build_trainer, resolve_run_dir
     run_dir = resolve_run_dir(cfg, args.run_dir, launch)
     setup_logging(launch.rank, run_dir)
-    try:
-        trainer = build_trainer(cfg, launch, run_dir, seed=args.seed)
+    from internlm_core.monitor import ExceptionMonitor, build_alert_manager
+    alerts = build_alert_manager(cfg.monitor, cfg.JOB_NAME, launch.rank)
+    # the monitor reports any failure (crash report, alert) and ends every rank instead of leaving peers hanging
+    with ExceptionMonitor(alerts, launch.rank, run_dir, cfg.JOB_NAME, launch.world_size):
+        trainer = build_trainer(cfg, launch, run_dir, seed=args.seed, alerts=alerts, profiling=args.profiling)
         trainer.train()
-    finally:
-        destroy_distributed()
+    alerts.close(timeout=10)
+    destroy_distributed()
     return 0
 
 

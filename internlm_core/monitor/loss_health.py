@@ -26,7 +26,7 @@ import math
 from typing import Any, Optional
 
 from internlm_core.errors import TrainingError
-from internlm_core.trainer.callbacks import TrainerCallback
+from internlm_core.callbacks import TrainerCallback
 from internlm_core.utils.logging import get_logger
 
 from .alert import AlertManager

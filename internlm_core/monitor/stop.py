@@ -43,7 +43,7 @@ from typing import Any, Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from internlm_core.trainer.callbacks import TrainerCallback
+from internlm_core.callbacks import TrainerCallback
 from internlm_core.utils.logging import get_logger
 
 from ._dist import collective_device, dist_ready

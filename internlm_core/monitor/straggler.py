@@ -32,7 +32,7 @@ from typing import Any, Mapping, Optional, Sequence, Union
 import torch
 import torch.distributed as dist
 
-from internlm_core.trainer.callbacks import TrainerCallback
+from internlm_core.callbacks import TrainerCallback
 from internlm_core.utils.logging import get_logger
 
 from ._dist import dist_ready

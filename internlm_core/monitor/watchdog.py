@@ -21,7 +21,7 @@ import time
 import traceback
 from typing import Any, Optional
 
-from internlm_core.trainer.callbacks import TrainerCallback
+from internlm_core.callbacks import TrainerCallback
 from internlm_core.utils.logging import get_logger
 
 from .alert import AlertManager

@@ -15,14 +15,18 @@ from ..config import Config, dump_yaml
 from ..distributed import LaunchInfo, ParallelDims, set_deterministic, set_seed
 from ..loss import FlashGPTLMLoss
 from ..metrics import AccPerplex, Throughput
+from ..monitor import (AlertManager, build_loss_health, build_stop_controller, build_straggler_monitor,
+                       build_watchdog)
 from ..model import build_model, count_parameters, flops_per_token, model_args_from_config
 from ..optim import Beta2Scheduler, DynamicGradScaler, WarmupCosineLR, build_optimizer
 from ..parallel import parallelize_model
 from ..utils.logging import get_logger
+from ..utils.memory import MemoryProfiler
 from ..utils.peak import device_peak_flops
+from ..utils.profiler import build_profiler
 from ..utils.timer import Timers
 from ..utils.writer import MetricsWriter
-from .callbacks import CallbackList, TrainerCallback
+from ..callbacks import CallbackList, TrainerCallback
 from .hooks import HookList, SchedulerMetricHook
 from .state import BatchSkipper, TrainState
 from .trainer import COMPUTE_DTYPES, Trainer
@@ -79,8 +83,26 @@ def build_data(cfg: Config, dims: ParallelDims):
     return build_train_loader(cfg.data, **kw), build_valid_loaders(cfg.data, **kw)
 
 
+def build_monitors(cfg: Config, launch: LaunchInfo, dims: ParallelDims, run_dir: Path, alerts: Optional[AlertManager],
+                   profiling: bool) -> list[TrainerCallback]:
+    """The monitoring callbacks, in firing order: the stop controller comes first so that a save it
+    requests at this step is seen by the checkpoint callback registered after it."""
+    rank = launch.rank
+    callbacks: list[Optional[TrainerCallback]] = [
+        build_stop_controller(cfg.ckpt, rank, alerts),
+        build_loss_health(cfg.monitor, alerts, rank),
+        build_watchdog(cfg.monitor, alerts, rank),
+        build_straggler_monitor(cfg.data, rank, device=launch.device) if launch.distributed else None,
+        build_profiler(run_dir, rank, enabled=profiling, dp_rank=dims.dp_rank, tp_rank=dims.tp_rank,
+                       device=launch.device),
+        MemoryProfiler(run_dir, rank, launch.device) if (cfg.monitor.memory_report or profiling) else None,
+    ]
+    return [cb for cb in callbacks if cb is not None]
+
+
 def build_trainer(cfg: Config, launch: LaunchInfo, run_dir: Path, seed: Optional[int] = None,
-                  extra_callbacks: Optional[list[TrainerCallback]] = None) -> Trainer:
+                  extra_callbacks: Optional[list[TrainerCallback]] = None, alerts: Optional[AlertManager] = None,
+                  profiling: bool = False) -> Trainer:
     """Build every component of a run; loading a checkpoint (if any) is left to `CheckpointManager`."""
     seed = cfg.seed if seed is None else seed
     setup_numerics(cfg, seed)
@@ -117,7 +139,8 @@ def build_trainer(cfg: Config, launch: LaunchInfo, run_dir: Path, seed: Optional
         beta2_scheduler=beta2_scheduler, grad_scaler=build_grad_scaler(cfg), train_loader=train_loader,
         valid_loaders=valid_loaders, state=state, dims=dims, device=launch.device, run_dir=run_dir,
         rank=launch.rank, world_size=launch.world_size, writer=writer, throughput=throughput, timers=timers,
-        train_metric=metric, hooks=hooks, callbacks=CallbackList(extra_callbacks),
+        train_metric=metric, hooks=hooks,
+        callbacks=CallbackList(build_monitors(cfg, launch, dims, run_dir, alerts, profiling) + list(extra_callbacks or [])),
         batch_skipper=BatchSkipper(cfg.data.skip_batches))
     logger.info(f"run folder {run_dir} on {socket.gethostname()}")
     return trainer

@@ -20,7 +20,7 @@ from ..optim import Beta2Scheduler, DynamicGradScaler, WarmupCosineLR, clip_and_
 from ..utils.logging import get_logger
 from ..utils.timer import Timers
 from ..utils.writer import MetricsWriter
-from .callbacks import CallbackList
+from ..callbacks import CallbackList
 from .hooks import HookList
 from .state import BatchSkipper, TrainState
 

@@ -32,7 +32,7 @@ from typing import Any, Iterable, Optional
 
 import torch
 
-from internlm_core.trainer.callbacks import TrainerCallback
+from internlm_core.callbacks import TrainerCallback
 from internlm_core.utils.logging import get_logger
 
 logger = get_logger(__name__)

@@ -84,3 +84,16 @@ def test_flops_per_token_matches_peer_benchmark_formula():
     cfg = build_config({"model_type": "LLAMA", "model": dict(vocab_size=8192, hidden_size=256, num_layers=4,
                         num_attention_heads=4, intermediate_size=688), "data": {"seq_len": 512}})
     assert flops_per_token(model_args_from_config(cfg), 512) == 37_860_864  # ../shared/bench/peers/README.md
+
+
+def test_cpu_peak_is_best_seen_and_gpu_table(tmp_path):
+    import json
+    from internlm_core.utils.peak import _cpu_key, cpu_peak_flops, gpu_peak_flops
+    cache = tmp_path / "peak.json"
+    first = cpu_peak_flops(torch.float32, cache)
+    assert 1e9 < first < 1e14
+    cache.write_text(json.dumps({_cpu_key(torch.float32): 1e15}))
+    assert cpu_peak_flops(torch.float32, cache) == 1e15  # a better earlier reading wins
+    assert gpu_peak_flops("NVIDIA H200", torch.bfloat16) == 989e12
+    assert gpu_peak_flops("NVIDIA A100-SXM4-80GB", torch.float32) == 156e12
+    assert gpu_peak_flops("Some Future GPU", torch.bfloat16) is None
