@@ -345,6 +345,37 @@ def tokenize_file(src: str, dst: str, tokenizer, opts: Options, stats: Stats, sk
     stats.outputs.append((src, dst, docs, toks))
 
 
+class Progress:
+    """One self-rewriting status line on stderr (only on a terminal): input MB, %, documents, tokens, MB/s."""
+
+    def __init__(self, total_bytes: int, stream=None, interval: float = 0.5, force: bool = False):
+        self.stream = stream or sys.stderr
+        self.enabled = force or (hasattr(self.stream, "isatty") and self.stream.isatty())
+        self.total, self.interval = max(1, total_bytes), interval
+        self.bytes = self.docs = self.tokens = 0
+        self.t0 = self.last = time.perf_counter()
+
+    def line(self) -> str:
+        dt = max(time.perf_counter() - self.t0, 1e-9)
+        return (f"tokenizing: {self.bytes / 1e6:.1f}/{self.total / 1e6:.1f} MB ({100 * self.bytes / self.total:.0f}%), "
+                f"{self.docs:,} documents, {self.tokens:,} tokens, {self.bytes / 1e6 / dt:.2f} MB/s")
+
+    def update(self, nbytes: int, ndocs: int, ntokens: int) -> None:
+        self.bytes += nbytes
+        self.docs += ndocs
+        self.tokens += ntokens
+        now = time.perf_counter()
+        if self.enabled and now - self.last >= self.interval:
+            self.last = now
+            self.stream.write("\r" + self.line() + "\x1b[K")
+            self.stream.flush()
+
+    def close(self) -> None:
+        if self.enabled:
+            self.stream.write("\r" + self.line() + "\x1b[K\n")
+            self.stream.flush()
+
+
 def tokenize_paths(input_path: str, output_path: str, tokenizer, opts: Options,
                    progress_bar: bool = True, warn: Optional[Callable[[str], None]] = None) -> Stats:
     """Tokenize a file or folder tree; returns the statistics (see module docstring)."""
@@ -356,32 +387,23 @@ def tokenize_paths(input_path: str, output_path: str, tokenizer, opts: Options,
     pairs = plan(input_path, output_path)
     stats = Stats()
     skip = _Skipper(opts, stats, warn)
-    bar = None
-    if progress_bar:
-        from tqdm import tqdm
-
-        bar = tqdm(total=sum(os.path.getsize(s) for s, _ in pairs), unit="B", unit_scale=True, unit_divisor=1000,
-                   desc="tokenizing", file=sys.stderr, dynamic_ncols=True, disable=None)
+    bar = Progress(sum(os.path.getsize(src) for src, _ in pairs)) if progress_bar else None
     t0 = time.perf_counter()
-    counts = {"docs": 0, "tokens": 0}
     try:
         for src, dst in pairs:
             size = os.path.getsize(src)
             shown = {"bytes": 0}
 
             def progress(pos, ndocs, ntok, _shown=shown, _size=size):
-                counts["docs"] += ndocs
-                counts["tokens"] += ntok
+                pos = min(pos, _size)
                 if bar is not None:
-                    pos = min(pos, _size)
-                    bar.set_postfix(docs=counts["docs"], tokens=counts["tokens"], refresh=False)
-                    bar.update(max(0, pos - _shown["bytes"]))
-                    _shown["bytes"] = max(pos, _shown["bytes"])
+                    bar.update(max(0, pos - _shown["bytes"]), ndocs, ntok)
+                _shown["bytes"] = max(pos, _shown["bytes"])
 
             tokenize_file(src, dst, tokenizer, opts, stats, skip, progress)
             stats.bytes_in += size
             if bar is not None:
-                bar.update(size - shown["bytes"])
+                bar.update(size - shown["bytes"], 0, 0)
     finally:
         if bar is not None:
             bar.close()

@@ -101,3 +101,20 @@ def test_hf_tokenizer_json(tmp_path):
     f = open_token_file(str(tmp_path / "a.bin"))
     assert [f.read(i).tolist() for i in range(2)] == [[1] + tok.encode("the lazy fox").ids,
                                                       [1] + tok.encode("quick dog").ids]
+
+
+def test_progress_line():
+    import io
+
+    from internlm_core.data.text2bin import Progress
+
+    out = io.StringIO()
+    p = Progress(2_000_000, stream=out, interval=0.0, force=True)
+    p.update(1_000_000, 10, 1234)
+    p.close()
+    text = out.getvalue()
+    assert text.startswith("\rtokenizing: 1.0/2.0 MB (50%), 10 documents, 1,234 tokens, ") and text.endswith("\n")
+    assert "MB/s" in text
+    quiet = io.StringIO()
+    Progress(10, stream=quiet).update(5, 1, 1)  # not a terminal: silent
+    assert quiet.getvalue() == ""
