@@ -194,8 +194,11 @@ def iter_documents(path: str, opts: Options, skip: _Skipper, cursor: Optional[di
                 text = raw.decode("utf-8")
             except UnicodeDecodeError as e:
                 line = raw[: e.start].count(b"\n") + 1
-                raise DataError(f"{path}:{line}: not valid UTF-8 (byte 0x{raw[e.start]:02x}); "
-                                "a .json file is read whole, so it cannot be skipped line by line") from None
+                skip("non-UTF-8 .json file", f"{path}:{line}: not valid UTF-8 (byte 0x{raw[e.start]:02x})"
+                     + ("; a .json file is parsed whole, so all of it is skipped" if opts.on_error == "skip" else ""))
+                if cursor is not None:
+                    cursor["skipped_whole"] = True
+                return
             if not compat and text.startswith("\ufeff"):
                 text = text[1:]
             if not text.strip():
@@ -203,7 +206,11 @@ def iter_documents(path: str, opts: Options, skip: _Skipper, cursor: Optional[di
             try:
                 data = json.loads(text)
             except json.JSONDecodeError as e:
-                raise DataError(f"{path}:{e.lineno}: malformed JSON at column {e.colno}: {e.msg}") from None
+                skip("malformed .json file", f"{path}:{e.lineno}: malformed JSON at column {e.colno}: {e.msg}"
+                     + ("; a .json file is parsed whole, so all of it is skipped" if opts.on_error == "skip" else ""))
+                if cursor is not None:
+                    cursor["skipped_whole"] = True
+                return
             records = data if isinstance(data, list) else [data]
             for n, rec in enumerate(records):
                 if compat:
@@ -238,17 +245,12 @@ def iter_documents(path: str, opts: Options, skip: _Skipper, cursor: Optional[di
                 else:
                     if not raw.strip():
                         continue
-                    try:
-                        rec = json.loads(raw)
-                    except UnicodeDecodeError:
-                        _decode(raw, path, lineno, skip)  # raises or counts as non-UTF-8
+                    line = _decode(raw, path, lineno, skip)
+                    if line is None:
                         continue
+                    try:
+                        rec = json.loads(line)
                     except json.JSONDecodeError as e:
-                        try:
-                            raw.decode("utf-8")
-                        except UnicodeDecodeError:
-                            _decode(raw, path, lineno, skip)
-                            continue
                         skip("malformed JSON", f"{path}:{lineno}: malformed JSON at column {e.colno}: {e.msg}")
                         continue
                     doc = _record_text(rec, opts.text_key, f"{path}:{lineno}", skip)
@@ -326,7 +328,8 @@ def tokenize_file(src: str, dst: str, tokenizer, opts: Options, stats: Stats, sk
         if docs == 0:
             for p in (tmp_bin, tmp_meta):
                 os.remove(p)
-            skip("empty file", f"{src}: no documents in it (only blank lines, empty texts or skipped records)")
+            if not cursor.get("skipped_whole"):
+                skip("empty file", f"{src}: no documents in it (only blank lines, empty texts or skipped records)")
             return
         os.replace(tmp_meta, meta)
         os.replace(tmp_bin, dst)

@@ -172,3 +172,17 @@ def test_output_trains(tmp_path):
     b = next(iter(build_train_loader(cfg, dp_rank=0, dp_size=1, vocab_size=259)))
     assert b["input_ids"].shape == (2, 128) and b["type_names"] == {0: "py"}
     assert int((b["input_ids"] == 256).sum()) >= 1  # BOS of the byte tokenizer
+
+
+def test_skip_whole_json_file_and_broken_gz(tmp_path):
+    src = tmp_path / "in"
+    src.mkdir()
+    (src / "a.json").write_text('[{"text": "a"},', encoding="utf-8")
+    (src / "b.jsonl").write_text('{"text": "b"}\n', encoding="utf-8")
+    rc, out, err = run("--input", src, "--output", tmp_path / "out", "--on-error", "skip")
+    assert rc == 0, err
+    assert "skipped 1 (malformed .json file: 1)" in out
+    assert f"{src / 'a.json'}:1: malformed JSON at column 16: Expecting value; a .json file is parsed whole" in err
+    assert sorted(os.listdir(tmp_path / "out")) == ["b.bin", "b.bin.meta"]
+    (src / "c.jsonl.gz").write_bytes(b"\x1f\x8b\x08\x00garbage")
+    fails_with(["--input", src / "c.jsonl.gz", "--output", tmp_path / "c.bin"], f"{src / 'c.jsonl.gz'}:1: cannot read")
