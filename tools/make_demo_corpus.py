@@ -59,7 +59,7 @@ def main(argv=None) -> int:
     p.add_argument("--output", default="data/demo/raw", help="output folder (default data/demo/raw)")
     p.add_argument("--stdlib", default=sysconfig.get_paths()["stdlib"], help="the standard library folder")
     p.add_argument("--valid-percent", type=float, default=3.0, help="share of modules held out for validation")
-    p.add_argument("--valid-max-kb", type=float, default=32.0,
+    p.add_argument("--valid-max-kb", type=float, default=16.0,
                    help="at most this many KB of validation text per kind (keeps validation quick; 0: no limit)")
     p.add_argument("--max-code-mb", type=float, default=0.0,
                    help="keep at most this many MB of source code (0: all; a stable hash order chooses the files)")
