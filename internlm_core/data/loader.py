@@ -119,37 +119,44 @@ class TrainLoader:
             yield from self._prefetching()
 
     def _prefetching(self) -> Iterator[Batch]:
-        q: "queue.Queue" = queue.Queue(maxsize=self.prefetch)
-        stop = threading.Event()
-        start = self.consumed
+        """Batches prepared by a background thread; restarts it if `load_state_dict` moved the position."""
+        while True:
+            start = self.consumed
+            q: "queue.Queue" = queue.Queue(maxsize=self.prefetch)
+            stop = threading.Event()
 
-        def work():
-            c = start
-            try:
+            def put(item, q=q, stop=stop) -> bool:
                 while not stop.is_set():
-                    item = (c, self.batch_at(c))
-                    while not stop.is_set():
-                        try:
-                            q.put(item, timeout=0.1)
-                            break
-                        except queue.Full:
-                            pass
-                    c += self.rows_per_step
-            except BaseException as e:  # handed to the consumer, re-raised there
-                q.put((None, e))
+                    try:
+                        q.put(item, timeout=0.1)
+                        return True
+                    except queue.Full:
+                        pass
+                return False
 
-        t = threading.Thread(target=work, name="internlm_core-data", daemon=True)
-        t.start()
-        try:
-            while True:
-                c, item = q.get()
-                if c is None:
-                    raise item
-                self.consumed = c + self.rows_per_step
-                yield item
-        finally:
-            stop.set()
-            t.join(timeout=5)
+            def work(start=start, put=put, stop=stop):
+                c = start
+                try:
+                    while not stop.is_set():
+                        if not put((c, self.batch_at(c))):
+                            return
+                        c += self.rows_per_step
+                except BaseException as e:  # handed to the consumer, re-raised there
+                    put((None, e))
+
+            t = threading.Thread(target=work, name="internlm_core-data", daemon=True)
+            t.start()
+            try:
+                expected = start
+                while self.consumed == expected:
+                    c, item = q.get()
+                    if c is None:
+                        raise item
+                    self.consumed = expected = c + self.rows_per_step
+                    yield item
+            finally:
+                stop.set()
+                t.join(timeout=5)
 
     # -- state
     def state_dict(self) -> Dict[str, Any]:
@@ -159,6 +166,7 @@ class TrainLoader:
                 "dp_size": self.dp_size, "micro_num": self.micro_num}
 
     def load_state_dict(self, sd: Dict[str, Any]) -> None:
+        """Resume after `sd["rows_consumed"]` rows (also while an iterator is open: it continues from there)."""
         if "rows_consumed" not in sd:
             raise DataError(f"data loader state: missing 'rows_consumed' (keys: {sorted(sd)})")
         mine = self.state_dict()

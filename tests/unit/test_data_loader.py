@@ -229,3 +229,16 @@ def test_valid_loaders_split_and_cover_everything(tmp_path):
     # re-iterable from the start
     assert _same(list(per_rank[0]["wiki"])[0], wiki[0][0])
     assert build_valid_loaders(_cfg(), dp_rank=0, dp_size=1, vocab_size=100) == {}
+
+
+@pytest.mark.parametrize("num_worker", [0, 2])
+def test_load_state_while_iterating(tmp_path, num_worker):
+    _unique_corpus(tmp_path)
+    cfg = _cfg(train_folder=str(tmp_path), num_worker=num_worker)
+    ld = build_train_loader(cfg, dp_rank=0, dp_size=1, vocab_size=10**6)
+    it = iter(ld)
+    ref = _take(it, 6)
+    ld.load_state_dict({"rows_consumed": 4})  # back to step 2 while the iterator (and its prefetch) is open
+    again = _take(it, 4)
+    assert all(_same(a, b) for a, b in zip(ref[2:], again))
+    assert ld.state_dict()["rows_consumed"] == 12
