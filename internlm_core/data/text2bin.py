@@ -27,6 +27,7 @@ import json
 import os
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import Callable, Iterator, List, Optional, Tuple
@@ -280,13 +281,11 @@ def tokenize_file(src: str, dst: str, tokenizer, opts: Options, stats: Stats, sk
     tmp_bin, tmp_meta = f"{dst}.tmp{os.getpid()}", f"{meta}.tmp{os.getpid()}"
     writer = make_writer(opts.fmt, tmp_bin, tmp_meta, tokenizer.vocab_size)
     docs = toks = 0
-    texts: List[str] = []
     cursor: dict = {}
 
-    def flush():
+    def encode_and_write(texts: List[str], pos: int) -> None:
+        # runs in a helper thread: the tokenizers release the GIL, so reading and parsing the next batch overlaps
         nonlocal docs, toks
-        if not texts:
-            return
         encoded = tokenizer.encode_batch(texts, opts.workers)
         lengths = [len(e) + nb + ne for e in encoded]
         total = sum(lengths)
@@ -308,11 +307,22 @@ def tokenize_file(src: str, dst: str, tokenizer, opts: Options, stats: Stats, sk
                 writer.write(pre + (e.tolist() if isinstance(e, np.ndarray) else list(e)) + post)
         docs += len(texts)
         toks += total
-        texts.clear()
-        progress(_raw_pos(cursor["fh"]), len(lengths), total)
+        progress(pos, len(lengths), total)
 
+    pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tokenize")
+    pending = None
     try:
+        texts: List[str] = []
         batch_chars = 0
+
+        def submit():
+            nonlocal pending, texts, batch_chars
+            job = pool.submit(encode_and_write, texts, _raw_pos(cursor["fh"]))
+            if pending is not None:
+                pending.result()  # at most one batch encoding while the next one is read
+            pending = job
+            texts, batch_chars = [], 0
+
         for text in iter_documents(src, opts, skip, cursor):
             if not text and opts.text_key is not None:
                 stats.empty_texts += 1
@@ -320,10 +330,12 @@ def tokenize_file(src: str, dst: str, tokenizer, opts: Options, stats: Stats, sk
             texts.append(text)
             batch_chars += len(text)
             if batch_chars >= opts.batch_bytes:
-                flush()
-                batch_chars = 0
+                submit()
         if texts:
-            flush()
+            submit()
+        if pending is not None:
+            pending.result()
+            pending = None
         writer.close()
         if docs == 0:
             for p in (tmp_bin, tmp_meta):
@@ -334,6 +346,12 @@ def tokenize_file(src: str, dst: str, tokenizer, opts: Options, stats: Stats, sk
         os.replace(tmp_meta, meta)
         os.replace(tmp_bin, dst)
     except BaseException:
+        if pending is not None:  # let the helper finish before its file is removed
+            pending.cancel()
+            try:
+                pending.result()
+            except BaseException:  # noqa: BLE001 - the first error is the one to report
+                pass
         try:
             writer._fh.close()
         except Exception:  # closing a half-written temp file must not hide the real error
@@ -342,6 +360,8 @@ def tokenize_file(src: str, dst: str, tokenizer, opts: Options, stats: Stats, sk
             if os.path.exists(p):
                 os.remove(p)
         raise
+    finally:
+        pool.shutdown(wait=True)
     stats.files += 1
     stats.docs += docs
     stats.tokens += toks
