@@ -33,6 +33,7 @@ import json
 import os
 import re
 import shutil
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterable, Mapping, Optional
@@ -615,3 +616,134 @@ def export_hf(out_dir: str | os.PathLike, cfg: Any, source: Mapping[str, torch.T
     if progress is not None:
         progress(tok.note)
     return [out / "config.json", out / "generation_config.json", *files, *tok.files]
+
+
+# ---------------------------------------------------------------------------------------------------------
+# reading the model out of a DCP checkpoint (no process group needed)
+
+@dataclass
+class DCPModel:
+    """Where the model lives inside one DCP checkpoint: its folder, key prefix and tensor metadata."""
+
+    path: Path
+    prefix: str
+    tensors: dict  # our name → TensorStorageMetadata (global size and dtype)
+
+    def load(self, names: list[str]) -> dict[str, torch.Tensor]:
+        """Read the full (unsharded) tensors of `names` in a single process, whatever layout saved them."""
+        import torch.distributed.checkpoint as dcp
+
+        missing = [n for n in names if n not in self.tensors]
+        if missing:
+            raise CheckpointError(f"{self.path}: checkpoint has no {self.prefix}{missing[0]}")
+        sd = {self.prefix + n: torch.empty(tuple(self.tensors[n].size), dtype=self.tensors[n].properties.dtype)
+              for n in names}
+        with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
+            warnings.filterwarnings("ignore", message=".*single process.*")
+            dcp.load(sd, storage_reader=dcp.FileSystemReader(str(self.path)), no_dist=True)
+        return {n: sd[self.prefix + n] for n in names}
+
+
+def _dcp_folders(root: Path, depth: int = 3) -> list[Path]:
+    """Folders under `root` (itself included, `depth` levels) that hold a DCP `.metadata` file."""
+    found = []
+    level = [root]
+    for _ in range(depth + 1):
+        nxt = []
+        for d in level:
+            if (d / ".metadata").is_file():
+                found.append(d)
+            nxt += sorted(p for p in d.iterdir() if p.is_dir() and not p.name.startswith("."))
+        level = nxt
+    return found
+
+
+_MARKER = "layers.0.attention.wq.weight"
+
+
+def find_dcp_model(ckpt_dir: str | os.PathLike) -> DCPModel:
+    """The model state inside a DCP checkpoint folder (or a folder holding one), found by its parameter names.
+
+    A tensor key ending in `layers.0.attention.wq.weight` marks the model and its prefix (optimizer state,
+    `...wq.weight.exp_avg`, never ends like that).
+    """
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    root = Path(ckpt_dir)
+    if not root.is_dir():
+        raise CheckpointError(f"{root}: checkpoint folder not found")
+    candidates = []
+    for folder in _dcp_folders(root):
+        try:
+            meta = FileSystemReader(str(folder)).read_metadata()
+        except Exception as e:  # a corrupt .metadata: name the file, keep looking
+            raise CheckpointError(f"{folder / '.metadata'}: not a readable DCP metadata file ({e})") from None
+        keys = {k: v for k, v in meta.state_dict_metadata.items() if isinstance(v, TensorStorageMetadata)}
+        for k in keys:
+            if not k.endswith(_MARKER):
+                continue
+            prefix = k[: -len(_MARKER)]
+            ours = {kk[len(prefix):]: v for kk, v in keys.items() if kk.startswith(prefix)}
+            ours = {kk: v for kk, v in ours.items() if _is_model_name(kk)}
+            candidates.append(DCPModel(folder, prefix, ours))
+    if not candidates:
+        raise CheckpointError(f"{root}: no DCP checkpoint with model weights (a `.metadata` file and keys like "
+                              f"...layers.0.attention.wq.weight) in it or its subfolders")
+    best = max(len(c.tensors) for c in candidates)
+    candidates = [c for c in candidates if len(c.tensors) == best]
+    if len({(c.path, c.prefix) for c in candidates}) > 1:
+        where = ", ".join(f"{c.path} (prefix {c.prefix!r})" for c in candidates)
+        raise CheckpointError(f"{root}: several model states found ({where}); pass the folder of one")
+    return candidates[0]
+
+
+def _is_model_name(name: str) -> bool:
+    try:
+        ours_to_hf_name(name)
+        return True
+    except CheckpointError:
+        return False
+
+
+def find_checkpoint_config(ckpt_dir: str | os.PathLike) -> Any:
+    """The run's Config recorded in a checkpoint: a JSON file with a "config" entry, or config.yaml / config.py."""
+    import yaml
+
+    from ..config import build_config, load_config
+
+    root = Path(ckpt_dir)
+    tried = []
+    for folder in [root, *_dcp_folders(root)]:
+        for path in sorted(folder.glob("*.json")):
+            try:
+                data = json.loads(path.read_text())
+            except (OSError, ValueError):
+                continue
+            raw = data.get("config") if isinstance(data, dict) else None
+            if isinstance(raw, str):
+                try:
+                    raw = yaml.safe_load(raw)
+                except yaml.YAMLError:
+                    raw = None
+            if isinstance(raw, dict):
+                return build_config(raw, source=str(path))
+            tried.append(path.name)
+        for name in ("config.yaml", "config.yml", "config.py"):
+            if (folder / name).is_file():
+                return load_config(folder / name)
+    raise CheckpointError(f"{root}: no run config found (looked for a JSON file with a \"config\" entry"
+                          f"{' among ' + ', '.join(tried) if tried else ''}, config.yaml, config.py); pass --config")
+
+
+def export_checkpoint(ckpt_dir: str | os.PathLike, out_dir: str | os.PathLike, cfg: Any = None,
+                      dtype: Optional[str] = None, max_shard_size: str | int = "5GB",
+                      tokenizer: Optional[str] = "config",
+                      progress: Optional[Callable[[str], None]] = None) -> list[Path]:
+    """Convert an internlm-core DCP checkpoint (any layout) into a Hugging Face Llama folder."""
+    model = find_dcp_model(ckpt_dir)
+    cfg = cfg if cfg is not None else find_checkpoint_config(ckpt_dir)
+    if progress is not None:
+        progress(f"model state: {model.path} (key prefix {model.prefix!r}, {len(model.tensors)} tensors)")
+    return export_hf(out_dir, cfg, model.load, dtype=dtype, max_shard_size=max_shard_size, tokenizer=tokenizer,
+                     progress=progress)

@@ -1,0 +1,73 @@
+"""Export an internlm-core checkpoint as a Hugging Face Llama folder (config.json, safetensors, tokenizer).
+
+    python tools/convert2hf.py CKPT_DIR OUT_DIR                      # dtype of the run, tokenizer of the run
+    python tools/convert2hf.py CKPT_DIR OUT_DIR --dtype float32 --max-shard-size 2GB
+    python tools/convert2hf.py CKPT_DIR OUT_DIR --tokenizer path/to/tokenizer.model
+
+CKPT_DIR is one checkpoint written by training (any data/tensor/pipeline layout). Then, with transformers:
+
+    AutoModelForCausalLM.from_pretrained(OUT_DIR); AutoTokenizer.from_pretrained(OUT_DIR)
+
+Every model type exports to LlamaForCausalLM: INTERNLM (v1) with attention_bias=true (q/k/v/o bias),
+INTERNLM2 / LLAMA with num_key_value_heads for grouped-query attention.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from internlm_core.errors import InternLMCoreError  # noqa: E402
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description="Export an internlm-core checkpoint as a Hugging Face Llama folder.")
+    p.add_argument("ckpt_dir", metavar="CKPT_DIR", help="one checkpoint folder written by train.py")
+    p.add_argument("out_dir", metavar="OUT_DIR", help="the Hugging Face folder to write (created if needed)")
+    p.add_argument("--config", default=None,
+                   help="config of the run (default: the one recorded in the checkpoint)")
+    p.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE", help="override keys of that config")
+    p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None,
+                   help="dtype of the exported weights (default: the run's model.dtype; float32 for fp32/tf32 runs)")
+    p.add_argument("--max-shard-size", default="5GB", help="largest safetensors file, e.g. 5GB, 500MB (default 5GB)")
+    p.add_argument("--tokenizer", default="config",
+                   help="'config' (default: the run's `tokenizer` key), 'none', 'byte', a SentencePiece .model "
+                        "or a tokenizer.json")
+    return p.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    from internlm_core.checkpoint.hf import export_checkpoint
+    from internlm_core.config import load_config
+
+    cfg = load_config(args.config, args.set) if args.config else None
+    if cfg is None and args.set:
+        from internlm_core.checkpoint.hf import find_checkpoint_config
+        from internlm_core.config import build_config, config_to_dict
+        from internlm_core.config.loader import apply_overrides, parse_overrides
+
+        raw = config_to_dict(find_checkpoint_config(args.ckpt_dir))
+        cfg = build_config(apply_overrides(raw, parse_overrides(args.set)), source=f"{args.ckpt_dir} config")
+    tokenizer = None if args.tokenizer == "none" else args.tokenizer
+    t0 = time.perf_counter()
+    files = export_checkpoint(args.ckpt_dir, args.out_dir, cfg=cfg, dtype=args.dtype,
+                              max_shard_size=args.max_shard_size, tokenizer=tokenizer,
+                              progress=lambda msg: print(msg, flush=True))
+    total = sum(f.stat().st_size for f in files)
+    print(f"wrote {len(files)} files ({total / 1e6:.1f} MB) to {args.out_dir} in {time.perf_counter() - t0:.1f} s")
+    for f in files:
+        print(f"  {f.name}")
+    return 0
+
+
+if __name__ == "__main__":
+    try:
+        sys.exit(main())
+    except InternLMCoreError as e:  # a user error: the message says what to fix
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
