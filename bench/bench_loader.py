@@ -70,7 +70,9 @@ def tiny_train_tgs(steps: int = 14) -> float | None:
                             "--set", f"data.total_steps={steps}", "data.valid_every=0", "--run-dir", str(run)],
                            capture_output=True, text=True, timeout=600, cwd=ROOT)
         if p.returncode != 0:
-            print(f"(train.py failed: {p.stderr.strip().splitlines()[-1:]})")
+            tail = [line for line in (p.stderr + p.stdout).splitlines() if line.strip()][-1:]
+            print(f"(train.py failed with status {p.returncode}: {tail[0] if tail else 'no output'}; "
+                  "pass --train-tgs to compare)")
             return None
         tgs = [r["tgs"] for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines())
                if r.get("kind") == "train" and r.get("step", 0) > 4 and "tgs" in r]
