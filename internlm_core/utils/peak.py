@@ -34,16 +34,22 @@ def gpu_peak_flops(device_name: str, dtype: torch.dtype) -> Optional[float]:
 
 
 @functools.lru_cache(maxsize=None)
-def measure_cpu_peak_flops(dtype: torch.dtype = torch.float32, n: int = 2048, seconds: float = 1.0) -> float:
+def measure_cpu_peak_flops(dtype: torch.dtype = torch.float32, max_n: int = 2048, seconds: float = 1.0) -> float:
     """Median FLOP/s of square `torch.matmul`s (2*n^3 FLOPs each) with this process's threads.
 
-    This is the practical peak that the peer benchmark uses as MFU denominator (n=2048 and
-    n=4096 there; n=2048 for one second agrees within a few percent and is cheap at start-up).
+    This is the practical peak that the peer benchmark uses as MFU denominator (n=2048 and 4096
+    there). n grows from 256 while one product takes under 20 ms, up to `max_n`, so that a dtype
+    with a slow CPU kernel (fp16 here) costs a second at start-up, not minutes.
     """
-    a = torch.randn(n, n, dtype=dtype)
-    b = torch.randn(n, n, dtype=dtype)
-    for _ in range(2):
+    n = 256
+    while True:
+        a, b = torch.randn(n, n, dtype=dtype), torch.randn(n, n, dtype=dtype)
+        t0 = time.perf_counter()
         a @ b
+        if n >= max_n or time.perf_counter() - t0 > 0.02:
+            break
+        n *= 2
+    a @ b
     times = []
     end = time.perf_counter() + seconds
     while time.perf_counter() < end or len(times) < 3:
