@@ -26,7 +26,7 @@ import numpy as np
 from internlm_core.errors import DataError
 from internlm_core.utils.logging import get_logger
 
-from .formats import TokenFile, open_token_file
+from .formats import VERIFY_MAX_BYTES, TokenFile, open_token_file
 
 logger = get_logger(__name__)
 
@@ -191,12 +191,22 @@ class Corpus:
         return corpus
 
 
+def open_files(files: Sequence[str], what: str) -> list[TokenFile]:
+    """Open token files; checksums are verified when all of them together are small (see formats.VERIFY_MAX_BYTES)."""
+    total = sum(os.path.getsize(p) for p in files)
+    verify = total <= VERIFY_MAX_BYTES
+    if not verify:
+        logger.info("%s: %.1f GB of .bin files: checksums not verified at start-up "
+                    "(python -m internlm_core.data.formats FOLDER verifies them)", what, total / 1e9)
+    return [open_token_file(p, verify=verify) for p in files]
+
+
 def open_folder(folder: str, mode: str, what: str) -> tuple[list[TokenFile], list[int], dict[int, str]]:
     files = find_bin_files(folder)
     if not files:
         raise DataError(f"{what} {folder}: no .bin files found (tokenize text with tools/tokenizer.py first)")
     names, per_file = type_names_for(folder, files, mode)
-    sources = [open_token_file(p) for p in files]
+    sources = open_files(files, f"{what} {folder}")
     return sources, per_file, names
 
 
@@ -243,7 +253,7 @@ def build_valid_corpora(data_cfg) -> dict[str, Corpus]:
             if tid is None:
                 tid, next_id = next_id, next_id + 1
             names, per_file = {tid: name}, [tid] * len(groups[name])
-        sources = [open_token_file(p) for p in groups[name]]
+        sources = open_files(groups[name], f"data.valid_folder {os.path.join(folder, name)}")
         out[name] = Corpus.from_sources(sources, per_file, names, data_cfg.min_length,
                                         f"data.valid_folder {os.path.join(folder, name)}")
     return out

@@ -12,9 +12,10 @@ Our format ("ILMC", version 1), little-endian:
                 header: magic ``b"\\x93ILMCIDX"`` (8) | version u16 | reserved 6 | num_docs u64 | num_tokens u64 |
                 file_id 16 bytes (equal to the bin's: a meta that belongs to another bin is detected) |
                 crc32 u32 of the bin's token bytes | flags u32 (1: crc32 is set) | reserved 8.
-                The CRC is checked when a file of up to 1 GiB of tokens is opened (a few ms per 100 MB once the file
-                is in the page cache), and by `verify_token_file` / ``python -m internlm_core.data.formats PATH...``
-                for any size.
+                The training loader checks the CRCs when it opens a folder holding at most 1 GiB of such files (a
+                few ms per 100 MB once they are in the page cache; a bigger folder would make every rank read all of
+                it at start-up); `verify_token_file` / ``python -m internlm_core.data.formats PATH...`` check any
+                size.
 
 InternLM's format (``--format internlm``): ``X.bin`` holds one line per document, the UTF-8 bytes of
 ``json.dumps({"tokens": [...]}) + "\\n"``; ``X.bin.meta`` is ``np.save`` of an int32 array of shape (N, 2), rows
@@ -46,7 +47,7 @@ HEADER_SIZE = 64
 _BIN_HEADER = struct.Struct("<8sHBBIQQQ16s8x")   # 64 bytes
 _META_HEADER = struct.Struct("<8sH6xQQ16sII8x")  # 64 bytes
 HAS_CRC = 1
-VERIFY_MAX_BYTES = 1 << 30  # token data up to this size is checked against its CRC32 when opened
+VERIFY_MAX_BYTES = 1 << 30  # by default, token data up to this size is checked against its CRC32 when opened
 assert _BIN_HEADER.size == HEADER_SIZE and _META_HEADER.size == HEADER_SIZE  # layout constants, not user input
 
 INTERNLM_PREFIX = b'{"tokens": ['
@@ -104,7 +105,7 @@ class TokenFile:
 class OursTokenFile(TokenFile):
     format = "ours"
 
-    def __init__(self, path: str, meta_path: str):
+    def __init__(self, path: str, meta_path: str, verify: Optional[bool] = None):
         self.path = path
         size = os.path.getsize(path)
         if size < HEADER_SIZE:
@@ -158,7 +159,7 @@ class OursTokenFile(TokenFile):
         self._mm = (np.memmap(path, dtype=dtype, mode="r", offset=HEADER_SIZE, shape=(ntok,)) if ntok
                     else np.zeros(0, dtype=dtype))
         self.crc = crc if flags & HAS_CRC else None
-        if self.crc is not None and ntok * itemsize <= VERIFY_MAX_BYTES:
+        if verify or (verify is None and ntok * itemsize <= VERIFY_MAX_BYTES):
             self.verify()
 
     def verify(self) -> None:
@@ -273,8 +274,11 @@ class InternLMTokenFile(TokenFile):
         return self._parse(i)[start:stop]
 
 
-def open_token_file(path: str, meta_path: Optional[str] = None) -> TokenFile:
-    """Open `path` (ours or InternLM's format, detected from its first bytes) with its `.bin.meta`."""
+def open_token_file(path: str, meta_path: Optional[str] = None, verify: Optional[bool] = None) -> TokenFile:
+    """Open `path` (ours or InternLM's format, detected from its first bytes) with its `.bin.meta`.
+
+    `verify`: check our format's CRC now (None: when the token data is at most VERIFY_MAX_BYTES).
+    """
     path = str(path)
     meta_path = meta_path or path + ".meta"
     if not os.path.exists(path):
@@ -286,7 +290,7 @@ def open_token_file(path: str, meta_path: Optional[str] = None) -> TokenFile:
     if not head:
         raise DataError(f"{path}: empty .bin file")
     if head == BIN_MAGIC:
-        return OursTokenFile(path, meta_path)
+        return OursTokenFile(path, meta_path, verify)
     if head.startswith(b"{"):
         return InternLMTokenFile(path, meta_path)
     raise DataError(f"{path}: unknown or corrupted .bin: starts with {head!r}, neither our header "

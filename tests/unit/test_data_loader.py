@@ -242,3 +242,15 @@ def test_load_state_while_iterating(tmp_path, num_worker):
     again = _take(it, 4)
     assert all(_same(a, b) for a, b in zip(ref[2:], again))
     assert ld.state_dict()["rows_consumed"] == 12
+
+
+def test_corrupted_token_data_found_by_the_loader(tmp_path, monkeypatch):
+    _write(str(tmp_path / "a.bin"), [[1, 2, 3]] * 40, 100)
+    data = bytearray((tmp_path / "a.bin").read_bytes())
+    data[70] ^= 0x04
+    (tmp_path / "a.bin").write_bytes(bytes(data))
+    with pytest.raises(DataError, match=r"a\.bin: corrupted \.bin: the token data does not match the checksum"):
+        build_train_loader(_cfg(train_folder=str(tmp_path)), dp_rank=0, dp_size=1, vocab_size=100)
+    import internlm_core.data.dataset as ds
+    monkeypatch.setattr(ds, "VERIFY_MAX_BYTES", 10)  # a "big" folder: not read whole at start-up
+    build_train_loader(_cfg(train_folder=str(tmp_path)), dp_rank=0, dp_size=1, vocab_size=100)
