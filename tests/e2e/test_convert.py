@@ -1,0 +1,130 @@
+"""tools/convert2hf.py and HF import as a user meets them: sharded (FSDP, 2 processes) load and save, CLI export.
+
+A Llama folder written by transformers is loaded into an FSDP-sharded model on 2 gloo ranks (loss equal to
+HF's), saved from there as a sharded DCP checkpoint, and exported with the CLI: the exported folder gives the
+logits of the original Hugging Face model.
+"""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from tests.helpers.launch import ROOT, env
+
+pytestmark = pytest.mark.slow
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+transformers = pytest.importorskip("transformers")
+
+DRIVER = r'''
+import json, sys
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import get_model_state_dict
+from internlm_core.checkpoint.hf import config_from_hf, load_hf_llama
+from internlm_core.config import dump_yaml, load_config
+from internlm_core.distributed import ParallelDims, destroy_distributed, init_distributed
+from internlm_core.loss import FlashGPTLMLoss
+from internlm_core.model import build_model
+from internlm_core.parallel import parallelize_model
+
+hf_dir, ckpt_dir, out = sys.argv[1:4]
+layout = sys.argv[4:]
+launch = init_distributed(None)
+keys = config_from_hf(hf_dir)
+cfg = load_config("configs/tiny.py", ["model_type=LLAMA", "data.seq_len=64", "model.dtype=torch.float32",
+                                      "tokenizer=byte", "data.micro_num=2", *layout,
+                                      *[f"model.{k}={v}" for k, v in keys.items()]], world_size=launch.world_size)
+dims = ParallelDims.from_config(cfg.parallel, launch.world_size)
+dims.build_mesh("cpu")
+built = parallelize_model(build_model(cfg), cfg, dims)
+model, pipeline = built if isinstance(built, tuple) else (built, None)
+loaded = load_hf_llama(model, hf_dir)
+shard = next(p for n, p in model.named_parameters() if n.endswith("attention.wq.weight"))
+torch.manual_seed(4)
+ids = torch.randint(0, cfg.model.vocab_size, (2, 64))
+loss = None
+if pipeline is None:  # (a pipeline stage has no whole forward: its export below is the check)
+    with torch.no_grad():
+        logits = model(ids)
+        if hasattr(logits, "full_tensor"):  # vocab-parallel logits under tensor parallel
+            logits = logits.full_tensor()
+        loss = FlashGPTLMLoss(use_flash=False)(logits[:, :-1], ids[:, 1:]).item()
+dcp.save({"model": get_model_state_dict(model)}, checkpoint_id=ckpt_dir)
+if launch.rank == 0:
+    json.dump({"step": 0, "config": dump_yaml(cfg)}, open(ckpt_dir + "/meta.json", "w"))
+    json.dump({"loss": loss, "loaded": len(loaded), "world": launch.world_size, "global_rows": shard.shape[0],
+               "local_rows": shard.to_local().shape[0] if hasattr(shard, "to_local") else shard.shape[0]},
+              open(out, "w"))
+dist.barrier()
+destroy_distributed()
+'''
+
+
+def write_hf_llama(path):
+    conf = transformers.LlamaConfig(vocab_size=300, hidden_size=64, intermediate_size=160, num_hidden_layers=2,
+                                    num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                                    rms_norm_eps=1e-5, rope_theta=50000.0)
+    torch.manual_seed(3)
+    hf = transformers.LlamaForCausalLM(conf).eval()
+    with torch.no_grad():
+        for n, p in hf.named_parameters():
+            if "norm" in n:
+                p.add_(torch.randn_like(p) * 0.1)
+    hf.save_pretrained(path)
+    return hf
+
+
+@pytest.mark.parametrize("layout", [["parallel.zero1=-1"], ["parallel.tensor=2"], ["parallel.pipeline=2"]],
+                         ids=["fsdp2", "tensor2", "pipeline2"])
+def test_sharded_import_then_checkpoint_exports_to_the_same_model(tmp_path, layout):
+    hf_dir, ckpt, out = tmp_path / "hf_in", tmp_path / "ckpt", tmp_path / "hf_out"
+    hf = write_hf_llama(hf_dir)
+    driver = tmp_path / "driver.py"
+    driver.write_text(DRIVER)
+    p = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                        str(driver), str(hf_dir), str(ckpt), str(tmp_path / "result.json"), *layout],
+                       cwd=ROOT, env=env(), capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    res = json.loads((tmp_path / "result.json").read_text())
+    assert res["world"] == 2 and res["global_rows"] == 64
+    if layout != ["parallel.pipeline=2"]:  # a pipeline rank holds whole tensors of half the layers
+        assert res["local_rows"] * 2 == 64  # really sharded
+    torch.manual_seed(4)
+    ids = torch.randint(0, 300, (2, 64))
+    with torch.no_grad():
+        hf_loss = hf(ids, labels=ids).loss.item()
+        hf_logits = hf(ids).logits
+    if res["loss"] is not None:
+        assert abs(res["loss"] - hf_loss) <= 1e-5, (res["loss"], hf_loss)
+    assert len(list(ckpt.glob("*.distcp"))) == 2  # one file per rank
+
+    e = env()
+    e["HF_HUB_OFFLINE"] = "1"
+    p = subprocess.run([sys.executable, "tools/convert2hf.py", str(ckpt), str(out), "--max-shard-size", "100KB"],
+                       cwd=ROOT, env=e, capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    assert "key prefix 'model.'" in p.stdout and "byte tokenizer: tokenizer.json" in p.stdout
+    assert (out / "model.safetensors.index.json").is_file() and (out / "tokenizer.json").is_file()
+    back = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+    with torch.no_grad():
+        diff = (back(ids).logits - hf_logits).abs().max().item()
+    assert diff <= 1e-4, diff
+    tok = transformers.AutoTokenizer.from_pretrained(out)
+    assert tok("hi")["input_ids"] == [256, ord("h"), ord("i")]
+
+
+def test_convert_errors_are_one_line(tmp_path):
+    p = subprocess.run([sys.executable, "tools/convert2hf.py", str(tmp_path / "nope"), str(tmp_path / "out")],
+                       cwd=ROOT, env=env(), capture_output=True, text=True, timeout=120)
+    assert p.returncode == 2
+    assert p.stderr.strip() == f"error: {tmp_path / 'nope'}: checkpoint folder not found"
+    (tmp_path / "empty").mkdir()
+    p = subprocess.run([sys.executable, "tools/convert2hf.py", str(tmp_path / "empty"), str(tmp_path / "out")],
+                       cwd=ROOT, env=env(), capture_output=True, text=True, timeout=120)
+    assert p.returncode == 2
+    assert "no DCP checkpoint with model weights" in p.stderr and "Traceback" not in p.stderr
