@@ -8,6 +8,7 @@ from typing import Optional
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.distributed.tensor import DTensor
 
 from .utils.logging import get_logger
 
@@ -46,7 +47,9 @@ class FlashGPTLMLoss(nn.Module):
     def forward(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         logits = logits.reshape(-1, logits.shape[-1])
         labels = labels.reshape(-1)
-        if self._flash is not None and logits.is_cuda:
+        if isinstance(logits, DTensor):  # vocabulary-parallel logits (tensor parallel, parallel_output)
+            token_losses = vocab_parallel_cross_entropy(logits, labels, self.label_smoothing)
+        elif self._flash is not None and logits.is_cuda:
             token_losses = self._flash(logits, labels)
         else:
             # fp32 softmax: bf16 log-softmax over a large vocabulary loses too much precision
@@ -56,3 +59,24 @@ class FlashGPTLMLoss(nn.Module):
         # sum / count instead of reduction="mean": a row with no valid label gives 0, not nan
         count = (labels != -100).sum().clamp(min=1)
         return token_losses.sum() / count
+
+
+def _plain(t: torch.Tensor) -> torch.Tensor:
+    """A DTensor's full value as a plain tensor (no communication when replicated); autograd flows through."""
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
+def vocab_parallel_cross_entropy(logits: DTensor, labels: torch.Tensor, label_smoothing: float = 0.0) -> torch.Tensor:
+    """Per-token cross entropy (fp32, 0 where the label is -100) of logits sharded along the vocabulary.
+
+    Must run, with its backward, under `torch.distributed.tensor.parallel.loss_parallel()`: the softmax
+    statistics are all-reduced over the tensor-parallel ranks instead of gathering [N, V] logits.
+    loss_parallel has no label smoothing; it is added here as torch computes it:
+    (1 - e) * nll + e * mean over the vocabulary of -log p.
+    """
+    logits = logits.float()
+    nll = _plain(F.cross_entropy(logits, labels, ignore_index=-100, reduction="none"))
+    if label_smoothing == 0:
+        return nll
+    smooth = _plain(-F.log_softmax(logits, dim=-1).sum(dim=-1)) / logits.shape[-1]
+    return (1.0 - label_smoothing) * nll + label_smoothing * smooth * (labels != -100)

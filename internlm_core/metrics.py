@@ -8,6 +8,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from torch.distributed.tensor import DTensor, Shard
 
 
 class AccPerplex:
@@ -36,8 +37,10 @@ class AccPerplex:
         labels = labels.reshape(-1)
         if token_losses is None:
             token_losses = F.cross_entropy(logits.float(), labels, ignore_index=-100, reduction="none")
+            if isinstance(token_losses, DTensor):  # computed under loss_parallel: replicated
+                token_losses = token_losses.full_tensor()
         valid = labels != -100
-        right = (logits.argmax(dim=-1) == labels) & valid
+        right = (vocab_parallel_argmax(logits) == labels) & valid
         types = (type_ids.reshape(-1) if type_ids is not None else torch.zeros_like(labels)).clamp(0, self.max_types - 1)
         types = types.to(labels.device)
         stats = torch.stack([right.float(), valid.float(), token_losses.reshape(-1).float() * valid])  # [3, N]
@@ -67,6 +70,31 @@ class AccPerplex:
         if reset:
             self.reset()
         return out
+
+
+@torch.no_grad()
+def vocab_parallel_argmax(logits: torch.Tensor) -> torch.Tensor:
+    """argmax over the last dimension; for a DTensor sharded along it (vocabulary-parallel logits) without
+    gathering the logits: each rank's best (value, global index), all-gathered, first maximum wins (as argmax)."""
+    if not isinstance(logits, DTensor):
+        return logits.argmax(dim=-1)
+    dims = [i for i, p in enumerate(logits.placements) if isinstance(p, Shard) and p.dim in (-1, logits.ndim - 1)]
+    if len(dims) != 1 or any(not p.is_replicate() for i, p in enumerate(logits.placements) if i != dims[0]):
+        return logits.full_tensor().argmax(dim=-1)
+    mesh = logits.device_mesh
+    local = logits.to_local()
+    n = mesh.size(dims[0])
+    if logits.shape[-1] % n:  # uneven shards: offsets are not rank * width
+        return logits.full_tensor().argmax(dim=-1)
+    values, index = local.float().max(dim=-1)
+    index = index + mesh.get_local_rank(dims[0]) * local.shape[-1]
+    group = mesh.get_group(dims[0])
+    all_values = [torch.empty_like(values) for _ in range(n)]
+    all_index = [torch.empty_like(index) for _ in range(n)]
+    dist.all_gather(all_values, values.contiguous(), group=group)
+    dist.all_gather(all_index, index.contiguous(), group=group)
+    best = torch.stack(all_values).argmax(dim=0, keepdim=True)  # lowest rank among equal maxima
+    return torch.stack(all_index).gather(0, best).squeeze(0)
 
 
 def _safe_exp(x: float) -> float:

@@ -48,12 +48,20 @@ class ParallelDims:
         return self.dp // self.dp_shard
 
     def build_mesh(self, device_type: str) -> Optional[DeviceMesh]:
-        """Mesh ("pp", "dp_replicate", "dp_shard", "tp") with a flattened "dp"; None for one process."""
+        """Mesh ("pp", "dp_replicate", "dp_shard", "tp"), rank = ((pp * dp_replicate + r) * dp_shard + s) * tp + t
+        (tensor-parallel peers are neighbours: on one node under NCCL), with two flattened dimensions:
+        "dp" (all data-parallel ranks) and "pp_dp" (data parallel x pipeline: the ranks whose losses and
+        metrics together cover the global batch once, each tensor-parallel rank holding a copy).
+        None for one process."""
         if self.world_size == 1 or not dist.is_initialized():
             return None
+        if dist.get_world_size() != self.world_size:
+            raise ConfigError(f"ParallelDims for world size {self.world_size}, but the process group has "
+                              f"{dist.get_world_size()} ranks")
         mesh = init_device_mesh(device_type, (self.pp, self.dp_replicate, self.dp_shard, self.tp),
                                 mesh_dim_names=("pp", "dp_replicate", "dp_shard", "tp"))
         mesh["dp_replicate", "dp_shard"]._flatten("dp")
+        mesh["pp", "dp_replicate", "dp_shard"]._flatten("pp_dp")
         self.mesh = mesh
         return mesh
 
@@ -76,7 +84,11 @@ class ParallelDims:
         return self._coord("pp")[0]
 
     def group(self, name: str) -> Optional[dist.ProcessGroup]:
-        """The process group of one mesh dimension ("dp", "tp", "pp", ...); None for one process."""
+        """The process group of one mesh dimension ("dp", "tp", "pp", "pp_dp", ...); None for one process."""
         if self.mesh is None:
             return None
         return self.mesh[name].get_group()
+
+    def describe(self) -> str:
+        return (f"dp={self.dp} (shard {self.dp_shard} x replicate {self.dp_replicate}) tp={self.tp} pp={self.pp}"
+                + (f" [rank: dp {self.dp_rank}, tp {self.tp_rank}, pp {self.pp_rank}]" if self.mesh is not None else ""))

@@ -4,6 +4,10 @@ A packed micro-batch is `B` rows of `T` tokens whose documents are delimited by 
 (offsets into the flattened B*T tokens). Tokens attend only to earlier tokens of their own document.
 The data pipeline puts a boundary at every multiple of `seq_len`, so rows never share a document and
 SDPA needs only a [B, 1, T, T] mask (cost B*T^2, not (B*T)^2).
+
+The same layout can be given per token as `document_ids` [B, T] (equal ids = same document, compared
+within a row only). Unlike one `cu_seqlens` per micro-batch, document ids split along the batch dimension
+with the other inputs, which is what pipeline-parallel micro-batching needs.
 """
 
 from __future__ import annotations
@@ -56,9 +60,41 @@ class PackedMeta:
     mask: Optional[torch.Tensor]         # bool [B, 1, T, T] for SDPA; None: plain causal per row
 
 
+def document_ids_from_cu_seqlens(cu_seqlens: torch.Tensor, batch: int, seqlen: int) -> torch.Tensor:
+    """int64 [B, T]: the index of each token's `cu_seqlens` segment (the inverse of `cu_seqlens_from_document_ids`)."""
+    cu = cu_seqlens.to(device="cpu", dtype=torch.int64)
+    return torch.repeat_interleave(torch.arange(len(cu) - 1), cu[1:] - cu[:-1]).view(batch, seqlen)
+
+
+def cu_seqlens_from_document_ids(document_ids: torch.Tensor) -> torch.Tensor:
+    """int32 offsets over the flattened B*T tokens: a boundary where the id changes and at every row start."""
+    B, T = document_ids.shape
+    flat = document_ids.reshape(-1)
+    starts = torch.ones_like(flat, dtype=torch.bool)
+    starts[1:] = flat[1:] != flat[:-1]
+    starts[::T] = True
+    end = torch.tensor([B * T], device=flat.device)
+    return torch.cat([starts.nonzero().flatten(), end]).to(torch.int32)
+
+
+def _causal_document_mask(seg: torch.Tensor) -> torch.Tensor:
+    """bool [B, 1, T, T] from per-token document ids [B, T]: same document and not in the future."""
+    T = seg.shape[1]
+    same_doc = seg.unsqueeze(2) == seg.unsqueeze(1)
+    causal = torch.ones(T, T, dtype=torch.bool, device=seg.device).tril()
+    return (same_doc & causal).unsqueeze(1)
+
+
 def build_packed_meta(cu_seqlens: Optional[torch.Tensor], batch: int, seqlen: int, backend: str,
-                      device: torch.device) -> PackedMeta:
-    """Turn cu_seqlens into what the chosen backend needs (done outside compiled regions)."""
+                      device: torch.device, document_ids: Optional[torch.Tensor] = None) -> PackedMeta:
+    """Turn cu_seqlens (or per-token document_ids) into what the chosen backend needs (outside compiled regions)."""
+    if document_ids is not None:
+        if tuple(document_ids.shape) != (batch, seqlen):
+            raise ValueError(f"document_ids must have shape [{batch}, {seqlen}] (B, T), got {list(document_ids.shape)}")
+        if backend == "flash":
+            cu = cu_seqlens_from_document_ids(document_ids)
+            return PackedMeta(cu.to(device), int((cu[1:] - cu[:-1]).max().item()), None)
+        return PackedMeta(None, seqlen, _causal_document_mask(document_ids.to(device)))
     if cu_seqlens is None:
         return PackedMeta(None, seqlen, None)
     cu = cu_seqlens.to(device="cpu", dtype=torch.int64)
@@ -74,11 +110,8 @@ def build_packed_meta(cu_seqlens: Optional[torch.Tensor], batch: int, seqlen: in
         return PackedMeta(cu_seqlens.to(device=device, dtype=torch.int32), max_seqlen, None)
     if len(cu) - 1 == batch:  # one document per row: the fused causal kernel, no mask
         return PackedMeta(None, max_seqlen, None)
-    seg = torch.repeat_interleave(torch.arange(len(lengths)), lengths).view(batch, seqlen)
-    same_doc = seg.unsqueeze(2) == seg.unsqueeze(1)
-    causal = torch.ones(seqlen, seqlen, dtype=torch.bool).tril()
-    mask = (same_doc & causal).unsqueeze(1).to(device)
-    return PackedMeta(None, max_seqlen, mask)
+    seg = document_ids_from_cu_seqlens(cu, batch, seqlen)
+    return PackedMeta(None, max_seqlen, _causal_document_mask(seg).to(device))
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: PackedMeta, backend: str) -> torch.Tensor:

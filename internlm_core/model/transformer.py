@@ -164,26 +164,30 @@ class Transformer(nn.Module):
             self.rope_cos, self.rope_sin = cos.to(device), sin.to(device)
 
     def forward(self, input_ids: torch.Tensor, position_ids: Optional[torch.Tensor] = None,
-                cu_seqlens: Optional[torch.Tensor] = None) -> torch.Tensor:
-        """input_ids [B, T] (or hidden states [B, T, hidden] on a later pipeline stage) → logits [B, T, V].
+                cu_seqlens: Optional[torch.Tensor] = None, document_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """input_ids [B, T] → logits [B, T, V]; on a later pipeline stage the input is the previous stage's
+        hidden states (under sequence parallel [B, T / tensor, hidden]) and position_ids are required.
 
         position_ids: [B, T] position of each token in its document (default 0..T-1 per row).
-        cu_seqlens: int32 document offsets over the flattened B*T tokens (default: one document per row).
+        cu_seqlens: int32 document offsets over the flattened B*T tokens (default: one document per row),
+        or document_ids: [B, T] the document of each token (see attention.py).
         """
-        if self.tok_embeddings is not None:
+        if position_ids is None:
+            if self.tok_embeddings is None:
+                raise ValueError("position_ids are required when the input is hidden states (a later pipeline stage)")
             B, T = input_ids.shape
+            position_ids = torch.arange(T, device=input_ids.device).expand(B, T)
+        B, T = position_ids.shape
+        if self.tok_embeddings is not None:
             h = self.tok_embeddings(input_ids)
             s = self.args.embed_grad_scale
             if s != 1.0:  # InternLM's embed_grad_scale: same forward, scaled gradient into the embedding
                 h = s * h + (1.0 - s) * h.detach()
         else:
             h = input_ids
-            B, T = h.shape[:2]
-        if position_ids is None:
-            position_ids = torch.arange(T, device=h.device).expand(B, T)
         cos = self.rope_cos[position_ids].unsqueeze(2)
         sin = self.rope_sin[position_ids].unsqueeze(2)
-        meta = build_packed_meta(cu_seqlens, B, T, self.args.attn_backend, h.device)
+        meta = build_packed_meta(cu_seqlens, B, T, self.args.attn_backend, h.device, document_ids)
         for layer in self.layers.values():
             h = layer(h, cos, sin, meta)
         if self.norm is not None:

@@ -2,22 +2,33 @@
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch.nn as nn
 from torch.distributed.fsdp import fully_shard
 
 from ..distributed.parallel_dims import ParallelDims
 
 
-def apply_fsdp(model: nn.Module, dims: ParallelDims, reshard_after_forward: bool = True) -> nn.Module:
-    """Shard every block, then the root (embedding, norm, output), over the data-parallel mesh.
+def apply_fsdp(model: nn.Module, dims: ParallelDims, roots: Optional[list[nn.Module]] = None,
+               reshard_after_forward: bool = True) -> nn.Module:
+    """Shard every block, then each root (the model, or each pipeline chunk: embedding, norm, output),
+    over the data-parallel mesh.
 
     zero1 <= 0: shard over all of dp; zero1 == 1: shard size 1, i.e. plain replication (DDP
     semantics: gradients all-reduced, full optimizer state per rank); zero1 == k: shard within
-    groups of k, replicate across them (HSDP).
+    groups of k, replicate across them (HSDP). Under tensor parallel the parameters are already
+    DTensors on the "tp" dimension of the same mesh and FSDP shards them further (2-D).
+    Gradients are averaged over the data-parallel ranks, as the loss is a mean over the global batch.
+
+    reshard_after_forward: free the gathered block parameters after forward (ZeRO-3 memory); pipeline
+    parallel passes False, since every micro-batch's backward would gather them again.
     """
     mesh = dims.mesh
     dp_mesh = mesh["dp_replicate", "dp_shard"] if dims.dp_replicate > 1 else mesh["dp_shard"]
     for layer in model.layers.values():
         fully_shard(layer, mesh=dp_mesh, reshard_after_forward=reshard_after_forward)
-    fully_shard(model, mesh=dp_mesh, reshard_after_forward=reshard_after_forward)
+    for root in roots or [model]:
+        # the root's own parameters (embedding, norm, output) are used first thing in backward: keep them gathered
+        fully_shard(root, mesh=dp_mesh, reshard_after_forward=False)
     return model

@@ -27,6 +27,7 @@ from ..utils.profiler import build_profiler
 from ..utils.timer import Timers
 from ..utils.writer import MetricsWriter
 from ..callbacks import CallbackList, TrainerCallback
+from ..checkpoint import CheckpointCallback, CheckpointManager, RNGState
 from .hooks import HookList, SchedulerMetricHook
 from .state import BatchSkipper, TrainState
 from .trainer import COMPUTE_DTYPES, Trainer
@@ -100,6 +101,22 @@ def build_monitors(cfg: Config, launch: LaunchInfo, dims: ParallelDims, run_dir:
     return [cb for cb in callbacks if cb is not None]
 
 
+def build_checkpoint_manager(cfg: Config, trainer: Trainer, launch: LaunchInfo,
+                             alerts: Optional[AlertManager] = None) -> CheckpointManager:
+    """The one place where everything that must survive a restart is registered (content names are
+    load_ckpt_info's: model, optimizer, scheduler, sampler)."""
+    ckpt = CheckpointManager(cfg.ckpt, rank=launch.rank, world_size=launch.world_size, local_rank=launch.local_rank,
+                             dims=trainer.dims, config_text=dump_yaml(cfg), alerts=alerts)
+    ckpt.register_model(trainer.model, trainer.optimizer)
+    ckpt.register("grad_scaler", trainer.grad_scaler, content="optimizer")  # None (skipped) unless fp16
+    ckpt.register("lr_scheduler", trainer.lr_scheduler, content="scheduler")
+    ckpt.register("beta2_scheduler", trainer.beta2_scheduler, content="scheduler")
+    ckpt.register("train_state", trainer.state, content="sampler")
+    ckpt.register("data", trainer.train_loader, content="sampler", scope="dp_rank")
+    ckpt.register("rng", RNGState(), content="sampler", scope="rank", strict=False)
+    return ckpt
+
+
 def build_trainer(cfg: Config, launch: LaunchInfo, run_dir: Path, seed: Optional[int] = None,
                   extra_callbacks: Optional[list[TrainerCallback]] = None, alerts: Optional[AlertManager] = None,
                   profiling: bool = False) -> Trainer:
@@ -112,7 +129,7 @@ def build_trainer(cfg: Config, launch: LaunchInfo, run_dir: Path, seed: Optional
 
     model = build_model(cfg, launch.device)
     n_params = count_parameters(model)
-    model = parallelize_model(model, cfg, dims)
+    model, pipeline = parallelize_model(model, cfg, dims, launch.device)
     args = model_args_from_config(cfg, launch.device.type, quiet=True)
     logger.info(f"model {cfg.model_type}: {n_params:,} parameters, {cfg.model.num_layers} layers, "
                 f"hidden {cfg.model.hidden_size}, attention {args.attn_backend}, dtype {cfg.model.dtype}; "
@@ -132,7 +149,8 @@ def build_trainer(cfg: Config, launch: LaunchInfo, run_dir: Path, seed: Optional
     throughput = Throughput(flops_per_token(args, cfg.data.seq_len), launch.world_size, peak)
     timers = Timers(cuda_sync=False)
     type_names = getattr(train_loader, "type_names", None) or {}
-    metric = AccPerplex(type_names, dims.group("dp") if dims.dp > 1 else None)
+    # summed over data parallel x pipeline: each micro-batch counted once (only the last stage has outputs)
+    metric = AccPerplex(type_names, dims.group("pp_dp") if dims.dp * dims.pp > 1 else None)
     hooks = HookList([SchedulerMetricHook(timers, metric)])
     trainer = Trainer(
         cfg=cfg, model=model, loss_fn=build_loss(cfg), optimizer=optimizer, lr_scheduler=lr_scheduler,
@@ -141,6 +159,9 @@ def build_trainer(cfg: Config, launch: LaunchInfo, run_dir: Path, seed: Optional
         rank=launch.rank, world_size=launch.world_size, writer=writer, throughput=throughput, timers=timers,
         train_metric=metric, hooks=hooks,
         callbacks=CallbackList(build_monitors(cfg, launch, dims, run_dir, alerts, profiling) + list(extra_callbacks or [])),
-        batch_skipper=BatchSkipper(cfg.data.skip_batches))
+        batch_skipper=BatchSkipper(cfg.data.skip_batches), pipeline=pipeline)
+    trainer.checkpoint_manager = build_checkpoint_manager(cfg, trainer, launch, alerts)
+    trainer.callbacks.add(CheckpointCallback(trainer.checkpoint_manager))  # after the stop controller
+    trainer.checkpoint_manager.resume()  # auto_resume / load_ckpt_info
     logger.info(f"run folder {run_dir} on {socket.gethostname()}")
     return trainer

@@ -10,12 +10,14 @@ from typing import Any, Iterable, Iterator, Optional
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor.parallel import loss_parallel
 
 from ..config import Config
 from ..distributed.parallel_dims import ParallelDims
 from ..errors import DataError
 from ..loss import FlashGPTLMLoss
 from ..metrics import AccPerplex, Throughput
+from ..model import document_ids_from_cu_seqlens
 from ..optim import Beta2Scheduler, DynamicGradScaler, WarmupCosineLR, clip_and_check
 from ..utils.logging import get_logger
 from ..utils.timer import Timers
@@ -66,6 +68,7 @@ class Trainer:
     callbacks: CallbackList
     batch_skipper: BatchSkipper
     checkpoint_manager: Any = None
+    pipeline: Any = None  # parallel.PipelineParallel when parallel.pipeline > 1: runs this rank's stages
     stop_request: StopRequest = field(default_factory=StopRequest)
     last_metrics: dict = field(default_factory=dict)
 
@@ -76,6 +79,13 @@ class Trainer:
         if dtype == torch.float32:
             return contextlib.nullcontext()
         return torch.autocast(self.device.type, dtype=dtype)
+
+    def loss_context(self) -> contextlib.AbstractContextManager:
+        """Vocabulary-parallel logits (tensor parallel, parallel_output): the loss and its backward run
+        under torch's loss_parallel, which computes the softmax over the sharded vocabulary."""
+        if self.dims.tp > 1 and self.cfg.model.parallel_output:
+            return loss_parallel()
+        return contextlib.nullcontext()
 
     def _micro_batches(self, batch: dict, n: int) -> Iterator[dict]:
         """Split a batch into micro-batches shaped [micro_bsz, seq_len] (rows never share a document)."""
@@ -99,10 +109,19 @@ class Trainer:
                             f"another tokenizer?")
 
     def forward_backward(self, batch: dict, forward_only: bool = False) -> torch.Tensor:
-        """Run all micro-batches; returns the mean loss over them (a detached scalar)."""
+        """Run all micro-batches; returns the mean loss over them (a detached scalar; under pipeline
+        parallel 0 on ranks without the last stage)."""
         n = batch["input_ids"].shape[0]
-        total = torch.zeros((), device=self.device)
         scale = self.grad_scaler.scale if (self.grad_scaler is not None and not forward_only) else 1.0
+        with self.loss_context():
+            if self.pipeline is not None:
+                if forward_only:
+                    raise ValueError("forward_only under pipeline parallel: use evaluate()")
+                return self._pipeline_forward_backward(batch, n, scale)
+            return self._forward_backward(batch, n, scale, forward_only)
+
+    def _forward_backward(self, batch: dict, n: int, scale: float, forward_only: bool) -> torch.Tensor:
+        total = torch.zeros((), device=self.device)
         for i, mb in enumerate(self._micro_batches(batch, n)):
             last = i == n - 1
             if not forward_only and hasattr(self.model, "set_requires_gradient_sync"):
@@ -123,12 +142,46 @@ class Trainer:
                 self.hooks.after_backward()
         return total / n
 
+    def _pipeline_inputs(self, batch: dict, n: int) -> dict:
+        """The micro-batches concatenated along rows (the schedule splits them again), with per-token
+        document ids instead of one cu_seqlens per micro-batch."""
+        mbs = list(self._micro_batches(batch, n))
+        out = {k: torch.cat([mb[k] for mb in mbs]) for k in ("input_ids", "labels", "position_ids", "type_ids")}
+        out["document_ids"] = torch.cat([document_ids_from_cu_seqlens(mb["cu_seqlens"], *mb["input_ids"].shape)
+                                         for mb in mbs]).to(self.device)
+        return out
+
+    def _pipeline_forward_backward(self, batch: dict, n: int, scale: float) -> torch.Tensor:
+        """One step through torch.distributed.pipelining: the last stage computes each micro-batch's loss
+        and feeds the metrics; gradients are divided by n there, as `loss / n` does above."""
+        losses: list[torch.Tensor] = []
+
+        def criterion(logits: torch.Tensor, labels: torch.Tensor, type_ids: torch.Tensor, record: bool) -> torch.Tensor:
+            if record:
+                self.hooks.before_criterion()
+            loss = self.loss_fn(logits, labels)
+            if record:
+                self.hooks.after_criterion()
+                self.hooks.post_helper_func(logits.detach(), labels, type_ids, self.loss_fn.last_token_losses
+                                            if self.cfg.loss.label_smoothing == 0 else None)
+                losses.append(loss.detach())
+            return loss * scale
+
+        x = self._pipeline_inputs(batch, n)
+        with self.autocast(), self.timers("fwd_bwd"):
+            self.pipeline.train_step(x["input_ids"], x["labels"], x["type_ids"], x["position_ids"],
+                                     x["document_ids"], criterion)
+        if not losses:
+            return torch.zeros((), device=self.device)
+        return torch.stack(losses).mean()
+
     def optimizer_step(self) -> tuple[bool, float]:
         """Clip and step; skip the update (and count it) when the gradient is inf/nan."""
         params = [p for p in self.model.parameters() if p.requires_grad]
         inv = 1.0 / self.grad_scaler.scale if self.grad_scaler is not None else 1.0
         grad_norm, finite = clip_and_check(params, self.cfg.hybrid_zero_optimizer.clip_grad_norm, inv,
                                            pp_group=self.dims.group("pp") if self.dims.pp > 1 else None)
+        finite = self._all_finite(finite)
         if self.grad_scaler is not None:
             self.grad_scaler.update(not finite)
         if finite:
@@ -138,10 +191,22 @@ class Trainer:
         self.optimizer.zero_grad(set_to_none=True)
         return finite, grad_norm
 
+    def _all_finite(self, finite: bool) -> bool:
+        """Every rank takes the same decision: skip when the gradient is inf/nan on any of them (a replicated
+        parameter's gradient is not reduced across tensor-parallel ranks, so one rank alone may see it)."""
+        if self.world_size == 1 or not dist.is_initialized():
+            return finite
+        flag = torch.tensor([0.0 if finite else 1.0], device=self.device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        return flag.item() == 0.0
+
     def _reduce_loss(self, loss: torch.Tensor) -> float:
-        if self.dims.dp > 1:
+        """The mean loss over the global batch: averaged over data-parallel ranks; under pipeline parallel
+        only the last stage holds it (the others contribute 0 to the sum over "pp_dp")."""
+        if self.dims.dp * self.dims.pp > 1:
             loss = loss.clone()
-            dist.all_reduce(loss, op=dist.ReduceOp.AVG, group=self.dims.group("dp"))
+            dist.all_reduce(loss, op=dist.ReduceOp.SUM, group=self.dims.group("pp_dp"))
+            loss /= self.dims.dp
         return loss.item()
 
     # ---- the loop --------------------------------------------------------------------------------
@@ -207,6 +272,18 @@ class Trainer:
         self.writer.close()
         return st
 
+    def _eval_outputs(self, batch: dict) -> Iterator[tuple[torch.Tensor, dict]]:
+        """(logits, micro-batch) of each micro-batch; under pipeline parallel only on the last stage."""
+        n = batch["input_ids"].shape[0]
+        if self.pipeline is None:
+            for mb in self._micro_batches(batch, n):
+                yield self.model(mb["input_ids"], mb["position_ids"], mb["cu_seqlens"]), mb
+            return
+        mbs = list(self._micro_batches(batch, n))
+        for mb in mbs:
+            mb["document_ids"] = document_ids_from_cu_seqlens(mb["cu_seqlens"], *mb["input_ids"].shape).to(self.device)
+        yield from self.pipeline.forward_only(mbs)
+
     @torch.no_grad()
     def evaluate(self) -> dict:
         """Loss, ACC and PPL on every validation dataset (reported separately), averaged over dp ranks."""
@@ -219,9 +296,8 @@ class Trainer:
             metric = AccPerplex(self.train_metric.type_names, self.train_metric.process_group)
             losses = []
             for batch in loader:
-                with self.autocast():
-                    for mb in self._micro_batches(batch, batch["input_ids"].shape[0]):
-                        logits = self.model(mb["input_ids"], mb["position_ids"], mb["cu_seqlens"])
+                with self.autocast(), self.loss_context():
+                    for logits, mb in self._eval_outputs(batch):
                         losses.append(self.loss_fn(logits, mb["labels"]).detach())
                         metric.update(logits, mb["labels"], mb["type_ids"], self.loss_fn.last_token_losses
                                       if self.cfg.loss.label_smoothing == 0 else None)

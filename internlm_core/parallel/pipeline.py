@@ -1,0 +1,183 @@
+"""Pipeline parallel: a manual stage split that keeps parameter names, run by torch.distributed.pipelining.
+
+The model's `parallel.pipeline * model.num_chunks` virtual stages each get an equal, contiguous run of
+blocks; stage 0 also holds the embedding, the last stage the final norm and the output. Rank r of the
+pipeline group runs stages r, r + pipeline, ... (torch's "loop" placement; more than one stage per rank
+is the interleaved schedule). Training steps use `Schedule1F1B` (one stage per rank) or
+`ScheduleInterleaved1F1B`, with `data.micro_num` micro-batches per step, the loss on the last stage and
+gradients divided by the number of micro-batches, as in the non-pipeline path. Evaluation runs a plain
+forward-only loop with point-to-point sends (no autograd, any number of micro-batches).
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Iterator, Optional
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleInterleaved1F1B
+from torch.distributed.tensor import DTensor, Shard
+
+from ..errors import ConfigError
+
+
+def stage_layers(num_layers: int, num_stages: int, stage: int) -> list[str]:
+    """Names (keys of `model.layers`) of the blocks of one virtual stage."""
+    if num_layers % num_stages:
+        raise ConfigError(f"model.num_layers ({num_layers}) must be divisible by parallel.pipeline * model.num_chunks "
+                          f"({num_stages}) to split the layers into pipeline stages")
+    per = num_layers // num_stages
+    return [str(i) for i in range(stage * per, (stage + 1) * per)]
+
+
+def split_model(model: nn.Module, pp_rank: int, pp_size: int, num_chunks: int
+                ) -> tuple[nn.Module, list[nn.Module], list[int]]:
+    """Prune `model` to what pipeline rank `pp_rank` runs; returns (model, chunks, stage_ids).
+
+    `model` keeps the parameter names of the full model (layers keyed by their global index), so the
+    optimizer, clipping and checkpoints see one module per rank. `chunks[i]` runs virtual stage
+    `stage_ids[i]` and shares its modules with `model` (it *is* `model` when num_chunks == 1).
+    """
+    num_stages = pp_size * num_chunks
+    if num_stages > 1 and model.output is not None and model.tok_embeddings is not None \
+            and model.output.weight is model.tok_embeddings.weight:
+        raise ConfigError("model.tie_word_embeddings: not supported with parallel.pipeline > 1 "
+                          "(the embedding and the output live on different stages)")
+    stage_ids = [pp_rank + c * pp_size for c in range(num_chunks)]
+    owned = {name: s for s in stage_ids for name in stage_layers(len(model.layers), num_stages, s)}
+    for name in list(model.layers.keys()):
+        if name not in owned:
+            del model.layers[name]
+    if 0 not in stage_ids:
+        model.tok_embeddings = None
+    if num_stages - 1 not in stage_ids:
+        model.norm = None
+        model.output = None
+    if num_chunks == 1:
+        return model, [model], stage_ids
+    return model, [_chunk_view(model, s, num_stages, [n for n, t in owned.items() if t == s]) for s in stage_ids], stage_ids
+
+
+def _chunk_view(model: nn.Module, stage: int, num_stages: int, layer_names: list[str]) -> nn.Module:
+    """A Transformer of the same class running one virtual stage with `model`'s own submodules."""
+    chunk = type(model).__new__(type(model))
+    nn.Module.__init__(chunk)  # fresh hooks and registries (FSDP installs its own on each chunk)
+    chunk.args = model.args
+    chunk.tok_embeddings = model.tok_embeddings if stage == 0 else None
+    chunk.layers = nn.ModuleDict({name: model.layers[name] for name in layer_names})
+    last = stage == num_stages - 1
+    chunk.norm = model.norm if last else None
+    chunk.output = model.output if last else None
+    chunk.register_buffer("rope_cos", model.rope_cos, persistent=False)
+    chunk.register_buffer("rope_sin", model.rope_sin, persistent=False)
+    return chunk
+
+
+# The schedule runs a forward and backward of the first micro-batch to learn the shapes the stages
+# exchange ("metadata inference"), on the first step and after a switch between eval and train; the last
+# stage then calls the loss once more than there are micro-batches. The flag tells when that will happen.
+_INIT_FLAGS = ("_stage_backward_initialized", "_stages_backward_initialized")
+
+Criterion = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, bool], torch.Tensor]
+
+
+class PipelineParallel:
+    """This rank's stages of the pipeline and the training schedule over them."""
+
+    def __init__(self, chunks: list[nn.Module], stage_ids: list[int], num_stages: int, micro_num: int,
+                 group: dist.ProcessGroup, device: torch.device, logits_mesh: Optional[DeviceMesh] = None):
+        """logits_mesh: the tensor-parallel mesh when the last stage outputs its local vocabulary shard of
+        the logits (parallel_output); they are handed on as a DTensor sharded along the vocabulary."""
+        self.chunks, self.stage_ids, self.num_stages = chunks, stage_ids, num_stages
+        self.logits_mesh = logits_mesh
+        self.group, self.device = group, device
+        self.pp_size = dist.get_world_size(group)
+        self.micro_num = micro_num
+        self.stages = [PipelineStage(c, s, num_stages, device, group=group) for c, s in zip(chunks, stage_ids)]
+        if len(self.stages) == 1:
+            self.schedule = Schedule1F1B(self.stages[0], micro_num, loss_fn=self._loss, scale_grads=True)
+        else:
+            rounds = max(1, micro_num // self.pp_size)
+            if micro_num % rounds:
+                raise ConfigError(f"data.micro_num ({micro_num}): the interleaved pipeline schedule (model.num_chunks "
+                                  f"{len(chunks)}, parallel.pipeline {self.pp_size}) needs micro_num divisible by "
+                                  f"max(1, micro_num // pipeline) = {rounds}")
+            self.schedule = ScheduleInterleaved1F1B(self.stages, micro_num, loss_fn=self._loss, scale_grads=True)
+        if not any(hasattr(self.schedule, f) for f in _INIT_FLAGS):
+            raise RuntimeError(f"torch {torch.__version__}: pipeline schedule has none of {_INIT_FLAGS}; "
+                               f"update internlm_core/parallel/pipeline.py for this version")
+        self._criterion: Optional[Criterion] = None
+        self._skip_calls = 0
+
+    @property
+    def is_first(self) -> bool:
+        return 0 in self.stage_ids
+
+    @property
+    def is_last(self) -> bool:
+        return self.num_stages - 1 in self.stage_ids
+
+    def _init_pending(self) -> bool:
+        return not next(getattr(self.schedule, f) for f in _INIT_FLAGS if hasattr(self.schedule, f))
+
+    def _logits(self, out: torch.Tensor) -> torch.Tensor:
+        if self.logits_mesh is None:
+            return out
+        return DTensor.from_local(out, self.logits_mesh, (Shard(-1),), run_check=False)
+
+    def _loss(self, logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        logits = self._logits(logits)
+        labels, type_ids = target[..., 0], target[..., 1]
+        record = self._skip_calls == 0
+        if not record:
+            self._skip_calls -= 1
+        return self._criterion(logits, labels, type_ids, record)
+
+    def train_step(self, input_ids: torch.Tensor, labels: torch.Tensor, type_ids: torch.Tensor,
+                   position_ids: torch.Tensor, document_ids: torch.Tensor, criterion: Criterion) -> None:
+        """Forward and backward of `micro_num` micro-batches (all inputs [micro_num * rows, T], split along
+        dim 0); on the last stage `criterion(logits, labels, type_ids, record)` gives each micro-batch's
+        loss (`record` is False for the schedule's extra shape-inference call: no metrics from it)."""
+        self._criterion = criterion
+        self._skip_calls = 1 if self._init_pending() else 0
+        target = torch.stack([labels, type_ids], dim=-1)
+        self.schedule.step(input_ids, target=target, return_outputs=False,
+                           position_ids=position_ids, document_ids=document_ids)
+        self._criterion = None
+
+    # ---- forward only (evaluation) ----------------------------------------------------------------
+
+    _DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64]
+
+    def _send(self, h: torch.Tensor, stage: int) -> None:
+        dst = dist.get_global_rank(self.group, stage % self.pp_size)
+        header = torch.tensor([self._DTYPES.index(h.dtype), *h.shape], dtype=torch.int64, device=self.device)
+        dist.send(header, dst)
+        dist.send(h.contiguous(), dst)
+
+    def _recv(self, stage: int, ndim: int = 3) -> torch.Tensor:
+        src = dist.get_global_rank(self.group, stage % self.pp_size)
+        header = torch.empty(1 + ndim, dtype=torch.int64, device=self.device)
+        dist.recv(header, src)
+        h = torch.empty(header[1:].tolist(), dtype=self._DTYPES[int(header[0])], device=self.device)
+        dist.recv(h, src)
+        return h
+
+    @torch.no_grad()
+    def forward_only(self, micro_batches: list[dict]) -> Iterator[tuple[torch.Tensor, dict]]:
+        """Run each micro-batch ({input_ids, position_ids, document_ids, ...}) through all stages; yields
+        (logits, micro_batch) on the rank of the last stage. Every rank of the pipeline group must iterate
+        to the end (the sends and receives follow one global order: micro-batch, then stage)."""
+        mine = dict(zip(self.stage_ids, self.chunks))
+        for mb in micro_batches:
+            for s in range(self.num_stages):
+                if s not in mine:
+                    continue
+                x = mb["input_ids"] if s == 0 else self._recv(s - 1)
+                out = mine[s](x, position_ids=mb["position_ids"], document_ids=mb["document_ids"])
+                if s < self.num_stages - 1:
+                    self._send(out, s + 1)
+                else:
+                    yield self._logits(out), mb
