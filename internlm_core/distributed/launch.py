@@ -45,31 +45,74 @@ def detect_launcher(env: Optional[dict] = None) -> str:
 
 
 def expand_nodelist(nodelist: str) -> list[str]:
-    """`node[01-03,07],gpu5` → ["node01", "node02", "node03", "node07", "gpu5"], as `scontrol show hostnames`."""
+    """Host names of a SLURM node list, in order, as `scontrol show hostnames` prints them.
+
+    `node[01-03,07],gpu5` → node01 node02 node03 node07 gpu5: ranges keep the zero padding of their
+    start; several bracket groups in one name expand as a product (`r[1-2]n[1-2]` → r1n1 r1n2 r2n1 r2n2).
+    """
     hosts: list[str] = []
-    for part in re.findall(r"[^,\[]+(?:\[[^\]]*\])?[^,\[]*", nodelist):
-        m = re.fullmatch(r"([^\[]*)\[([^\]]*)\](.*)", part)
-        if not m:
-            hosts.append(part)
-            continue
-        prefix, ranges, suffix = m.groups()
-        for r in ranges.split(","):
-            if "-" in r:
-                lo, hi = r.split("-", 1)
-                width = len(lo)
-                hosts.extend(f"{prefix}{i:0{width}d}{suffix}" for i in range(int(lo), int(hi) + 1))
-            else:
-                hosts.append(f"{prefix}{r}{suffix}")
+    for name in _split_top_level(nodelist):
+        hosts.extend(_expand_host(name, nodelist))
+    if not hosts:
+        raise LaunchError(f"SLURM node list {nodelist!r}: no host names in it")
     return hosts
+
+
+def _split_top_level(nodelist: str) -> list[str]:
+    """Split at the commas outside brackets."""
+    parts, depth, cur = [], 0, ""
+    for ch in nodelist.strip():
+        if ch == "[":
+            depth += 1
+        elif ch == "]":
+            depth -= 1
+        if depth < 0 or depth > 1:
+            raise LaunchError(f"SLURM node list {nodelist!r}: unbalanced or nested brackets")
+        if ch == "," and depth == 0:
+            parts.append(cur)
+            cur = ""
+        else:
+            cur += ch
+    if depth:
+        raise LaunchError(f"SLURM node list {nodelist!r}: unbalanced brackets")
+    parts.append(cur)
+    return [p.strip() for p in parts if p.strip()]
+
+
+def _expand_host(name: str, nodelist: str) -> list[str]:
+    m = re.search(r"\[([^\[\]]*)\]", name)
+    if not m:
+        return [name]
+    prefix, body, rest = name[:m.start()], m.group(1), name[m.end():]
+    tails = _expand_host(rest, nodelist)
+    out: list[str] = []
+    for item in body.split(","):
+        item = item.strip()
+        lo, sep, hi = item.partition("-")
+        if not lo.isdigit() or (sep and not hi.isdigit()):
+            raise LaunchError(f"SLURM node list {nodelist!r}: {item!r} is not a number or a range like 01-03")
+        if sep and int(hi) < int(lo):
+            raise LaunchError(f"SLURM node list {nodelist!r}: range {item!r} runs backwards")
+        values = [f"{i:0{len(lo)}d}" for i in range(int(lo), int(hi) + 1)] if sep else [lo]
+        out.extend(prefix + v + t for v in values for t in tails)
+    return out
 
 
 def slurm_env_to_torch(env: Optional[dict] = None, default_port: int = 29500) -> dict[str, str]:
     """RANK/WORLD_SIZE/LOCAL_RANK/MASTER_ADDR/MASTER_PORT derived from SLURM's variables."""
     env = os.environ if env is None else env
-    try:
-        rank, world, local = int(env["SLURM_PROCID"]), int(env["SLURM_NTASKS"]), int(env.get("SLURM_LOCALID", 0))
-    except KeyError as e:
-        raise LaunchError(f"launcher slurm: environment variable {e.args[0]} is not set (run under srun)") from None
+    values = {}
+    for key in ("SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID"):
+        text = env.get(key, "0" if key == "SLURM_LOCALID" else None)
+        if text is None:
+            raise LaunchError(f"launcher slurm: environment variable {key} is not set (run under srun)")
+        try:
+            values[key] = int(text)
+        except ValueError:
+            raise LaunchError(f"launcher slurm: {key}={text!r} is not an integer") from None
+    rank, world, local = values["SLURM_PROCID"], values["SLURM_NTASKS"], values["SLURM_LOCALID"]
+    if not 0 <= rank < world:
+        raise LaunchError(f"launcher slurm: SLURM_PROCID {rank} is outside [0, SLURM_NTASKS={world})")
     addr = env.get("MASTER_ADDR")
     if not addr:
         nodelist = env.get("SLURM_JOB_NODELIST") or env.get("SLURM_NODELIST")
