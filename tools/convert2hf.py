@@ -4,7 +4,8 @@
     python tools/convert2hf.py CKPT_DIR OUT_DIR --dtype float32 --max-shard-size 2GB
     python tools/convert2hf.py CKPT_DIR OUT_DIR --tokenizer path/to/tokenizer.model
 
-CKPT_DIR is one checkpoint written by training (any data/tensor/pipeline layout). Then, with transformers:
+CKPT_DIR is one checkpoint written by training (any data/tensor/pipeline layout), or the run's save_ckpt_folder
+(its newest complete checkpoint). Then, with transformers:
 
     AutoModelForCausalLM.from_pretrained(OUT_DIR); AutoTokenizer.from_pretrained(OUT_DIR)
 
@@ -26,7 +27,9 @@ from internlm_core.errors import InternLMCoreError  # noqa: E402
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description="Export an internlm-core checkpoint as a Hugging Face Llama folder.")
-    p.add_argument("ckpt_dir", metavar="CKPT_DIR", help="one checkpoint folder written by train.py")
+    p.add_argument("ckpt_dir", metavar="CKPT_DIR",
+                   help="a checkpoint folder written by train.py (e.g. llm_ckpts/200), or the save_ckpt_folder "
+                        "(its newest complete checkpoint is taken)")
     p.add_argument("out_dir", metavar="OUT_DIR", help="the Hugging Face folder to write (created if needed)")
     p.add_argument("--config", default=None,
                    help="config of the run (default: the one recorded in the checkpoint)")
@@ -37,6 +40,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--tokenizer", default="config",
                    help="'config' (default: the run's `tokenizer` key), 'none', 'byte', a SentencePiece .model "
                         "or a tokenizer.json")
+    p.add_argument("--allow-incomplete", action="store_true",
+                   help="read a DCP folder that has no COMPLETE marker (interrupted, or not written by train.py)")
     return p.parse_args(argv)
 
 
@@ -47,16 +52,18 @@ def main(argv=None) -> int:
 
     cfg = load_config(args.config, args.set) if args.config else None
     if cfg is None and args.set:
-        from internlm_core.checkpoint.hf import find_checkpoint_config
+        from internlm_core.checkpoint.hf import find_checkpoint_config, resolve_checkpoint
         from internlm_core.config import build_config, config_to_dict
         from internlm_core.config.loader import apply_overrides, parse_overrides
 
-        raw = config_to_dict(find_checkpoint_config(args.ckpt_dir))
+        folder, _ = resolve_checkpoint(args.ckpt_dir, args.allow_incomplete)
+        raw = config_to_dict(find_checkpoint_config(folder))
         cfg = build_config(apply_overrides(raw, parse_overrides(args.set)), source=f"{args.ckpt_dir} config")
     tokenizer = None if args.tokenizer == "none" else args.tokenizer
     t0 = time.perf_counter()
     files = export_checkpoint(args.ckpt_dir, args.out_dir, cfg=cfg, dtype=args.dtype,
                               max_shard_size=args.max_shard_size, tokenizer=tokenizer,
+                              allow_incomplete=args.allow_incomplete,
                               progress=lambda msg: print(msg, flush=True))
     total = sum(f.stat().st_size for f in files)
     print(f"wrote {len(files)} files ({total / 1e6:.1f} MB) to {args.out_dir} in {time.perf_counter() - t0:.1f} s")

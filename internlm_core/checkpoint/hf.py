@@ -619,7 +619,7 @@ def export_hf(out_dir: str | os.PathLike, cfg: Any, source: Mapping[str, torch.T
 
 
 # ---------------------------------------------------------------------------------------------------------
-# reading the model out of a DCP checkpoint (no process group needed)
+# reading the model out of a checkpoint (no process group needed)
 
 @dataclass
 class DCPModel:
@@ -633,6 +633,8 @@ class DCPModel:
         """Read the full (unsharded) tensors of `names` in a single process, whatever layout saved them."""
         import torch.distributed.checkpoint as dcp
 
+        from .safe_dcp import SafeFileSystemReader, SafeLoadPlanner
+
         missing = [n for n in names if n not in self.tensors]
         if missing:
             raise CheckpointError(f"{self.path}: checkpoint has no {self.prefix}{missing[0]}")
@@ -640,61 +642,71 @@ class DCPModel:
               for n in names}
         with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
             warnings.filterwarnings("ignore", message=".*single process.*")
-            dcp.load(sd, storage_reader=dcp.FileSystemReader(str(self.path)), no_dist=True)
+            dcp.load(sd, storage_reader=SafeFileSystemReader(str(self.path)), planner=SafeLoadPlanner(),
+                     no_dist=True)
         return {n: sd[self.prefix + n] for n in names}
 
 
-def _dcp_folders(root: Path, depth: int = 3) -> list[Path]:
-    """Folders under `root` (itself included, `depth` levels) that hold a DCP `.metadata` file."""
-    found = []
-    level = [root]
-    for _ in range(depth + 1):
-        nxt = []
-        for d in level:
-            if (d / ".metadata").is_file():
-                found.append(d)
-            nxt += sorted(p for p in d.iterdir() if p.is_dir() and not p.name.startswith("."))
-        level = nxt
-    return found
+_MARKER_KEY = "layers.0.attention.wq.weight"
 
 
-_MARKER = "layers.0.attention.wq.weight"
+def resolve_checkpoint(path: str | os.PathLike, allow_incomplete: bool = False) -> tuple[Path, str]:
+    """The checkpoint folder to read and a line saying which it is.
 
-
-def find_dcp_model(ckpt_dir: str | os.PathLike) -> DCPModel:
-    """The model state inside a DCP checkpoint folder (or a folder holding one), found by its parameter names.
-
-    A tensor key ending in `layers.0.attention.wq.weight` marks the model and its prefix (optimizer state,
-    `...wq.weight.exp_avg`, never ends like that).
+    `path` is one checkpoint (it holds the COMPLETE marker) or a `save_ckpt_folder` (its newest complete
+    checkpoint, snapshots included, is taken). A folder with DCP shards but no marker was interrupted while
+    being written, or was not written by CheckpointManager: refused unless `allow_incomplete`.
     """
-    from torch.distributed.checkpoint import FileSystemReader
-    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+    from .manager import latest_checkpoint
+    from .storage import DCP_METADATA, LocalDestination
 
-    root = Path(ckpt_dir)
+    root = Path(path)
     if not root.is_dir():
         raise CheckpointError(f"{root}: checkpoint folder not found")
+    dest = LocalDestination(root)
+    marker = dest.read_marker("")
+    if marker is not None:
+        problem = dest.verify("", marker)
+        if problem:
+            raise CheckpointError(f"checkpoint {root} is damaged: {problem}")
+        return root, f"checkpoint of step {marker['step']}: {root}"
+    if (root / DCP_METADATA).is_file() or any(root.glob("*.distcp")):
+        if allow_incomplete:
+            return root, f"DCP folder without a completion marker (read anyway): {root}"
+        raise CheckpointError(f"checkpoint {root} has no COMPLETE marker: it was interrupted while being written "
+                              f"(or not written by train.py); convert an older one, or pass --allow-incomplete")
+    ref = latest_checkpoint(dest)
+    if ref is None:
+        raise CheckpointError(f"{root}: no complete checkpoint in it (expected a folder written by train.py "
+                              f"with a COMPLETE marker, or a save_ckpt_folder holding such folders)")
+    folder = dest.path(ref.name)
+    return folder, f"newest complete checkpoint under {root}: step {ref.step} ({ref.kind}): {folder}"
+
+
+def find_dcp_model(folder: str | os.PathLike) -> DCPModel:
+    """The model state inside one DCP checkpoint folder, found by its parameter names.
+
+    A tensor key ending in `layers.0.attention.wq.weight` marks the model and its key prefix ("model." in
+    CheckpointManager's checkpoints); optimizer state (`...wq.weight.exp_avg`) never ends like that.
+    """
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    from .safe_dcp import read_dcp_metadata
+
+    folder = Path(folder)
+    meta = read_dcp_metadata(folder)
+    keys = {k: v for k, v in meta.state_dict_metadata.items() if isinstance(v, TensorStorageMetadata)}
     candidates = []
-    for folder in _dcp_folders(root):
-        try:
-            meta = FileSystemReader(str(folder)).read_metadata()
-        except Exception as e:  # a corrupt .metadata: name the file, keep looking
-            raise CheckpointError(f"{folder / '.metadata'}: not a readable DCP metadata file ({e})") from None
-        keys = {k: v for k, v in meta.state_dict_metadata.items() if isinstance(v, TensorStorageMetadata)}
-        for k in keys:
-            if not k.endswith(_MARKER):
-                continue
-            prefix = k[: -len(_MARKER)]
+    for k in keys:
+        if k.endswith(_MARKER_KEY):
+            prefix = k[: -len(_MARKER_KEY)]
             ours = {kk[len(prefix):]: v for kk, v in keys.items() if kk.startswith(prefix)}
-            ours = {kk: v for kk, v in ours.items() if _is_model_name(kk)}
-            candidates.append(DCPModel(folder, prefix, ours))
+            candidates.append(DCPModel(folder, prefix, {kk: v for kk, v in ours.items() if _is_model_name(kk)}))
     if not candidates:
-        raise CheckpointError(f"{root}: no DCP checkpoint with model weights (a `.metadata` file and keys like "
-                              f"...layers.0.attention.wq.weight) in it or its subfolders")
-    best = max(len(c.tensors) for c in candidates)
-    candidates = [c for c in candidates if len(c.tensors) == best]
-    if len({(c.path, c.prefix) for c in candidates}) > 1:
-        where = ", ".join(f"{c.path} (prefix {c.prefix!r})" for c in candidates)
-        raise CheckpointError(f"{root}: several model states found ({where}); pass the folder of one")
+        raise CheckpointError(f"{folder}: the checkpoint holds no model weights (no key ending in {_MARKER_KEY})")
+    if len(candidates) > 1:
+        raise CheckpointError(f"{folder}: several model states in one checkpoint (key prefixes "
+                              f"{', '.join(repr(c.prefix) for c in candidates)})")
     return candidates[0]
 
 
@@ -706,44 +718,40 @@ def _is_model_name(name: str) -> bool:
         return False
 
 
-def find_checkpoint_config(ckpt_dir: str | os.PathLike) -> Any:
-    """The run's Config recorded in a checkpoint: a JSON file with a "config" entry, or config.yaml / config.py."""
+def find_checkpoint_config(folder: str | os.PathLike) -> Any:
+    """The run's Config recorded in a checkpoint: meta.json's "config" (YAML text), else config.yaml."""
     import yaml
 
     from ..config import build_config, load_config
+    from .storage import CONFIG, META
 
-    root = Path(ckpt_dir)
-    tried = []
-    for folder in [root, *_dcp_folders(root)]:
-        for path in sorted(folder.glob("*.json")):
-            try:
-                data = json.loads(path.read_text())
-            except (OSError, ValueError):
-                continue
-            raw = data.get("config") if isinstance(data, dict) else None
-            if isinstance(raw, str):
-                try:
-                    raw = yaml.safe_load(raw)
-                except yaml.YAMLError:
-                    raw = None
-            if isinstance(raw, dict):
-                return build_config(raw, source=str(path))
-            tried.append(path.name)
-        for name in ("config.yaml", "config.yml", "config.py"):
-            if (folder / name).is_file():
-                return load_config(folder / name)
-    raise CheckpointError(f"{root}: no run config found (looked for a JSON file with a \"config\" entry"
-                          f"{' among ' + ', '.join(tried) if tried else ''}, config.yaml, config.py); pass --config")
+    folder = Path(folder)
+    meta = folder / META
+    if meta.is_file():
+        try:
+            raw = json.loads(meta.read_text(encoding="utf-8")).get("config")
+            raw = yaml.safe_load(raw) if isinstance(raw, str) else raw
+        except (OSError, ValueError, AttributeError, yaml.YAMLError):
+            raw = None
+        if isinstance(raw, dict):
+            return build_config(raw, source=f"{meta} (config)")
+    if (folder / CONFIG).is_file():
+        return load_config(folder / CONFIG)
+    raise CheckpointError(f"{folder}: no run config in the checkpoint ({META} with a \"config\" entry, or "
+                          f"{CONFIG}); pass --config")
 
 
 def export_checkpoint(ckpt_dir: str | os.PathLike, out_dir: str | os.PathLike, cfg: Any = None,
                       dtype: Optional[str] = None, max_shard_size: str | int = "5GB",
-                      tokenizer: Optional[str] = "config",
+                      tokenizer: Optional[str] = "config", allow_incomplete: bool = False,
                       progress: Optional[Callable[[str], None]] = None) -> list[Path]:
-    """Convert an internlm-core DCP checkpoint (any layout) into a Hugging Face Llama folder."""
-    model = find_dcp_model(ckpt_dir)
-    cfg = cfg if cfg is not None else find_checkpoint_config(ckpt_dir)
+    """Convert an internlm-core checkpoint (any layout) into a Hugging Face Llama folder."""
+    folder, which = resolve_checkpoint(ckpt_dir, allow_incomplete)
+    model = find_dcp_model(folder)
+    cfg = cfg if cfg is not None else find_checkpoint_config(folder)
     if progress is not None:
-        progress(f"model state: {model.path} (key prefix {model.prefix!r}, {len(model.tensors)} tensors)")
+        progress(which)
+        progress(f"model state: key prefix {model.prefix!r}, {len(model.tensors)} tensors; "
+                 f"{cfg.model_type} -> LlamaForCausalLM")
     return export_hf(out_dir, cfg, model.load, dtype=dtype, max_shard_size=max_shard_size, tokenizer=tokenizer,
                      progress=progress)

@@ -23,8 +23,7 @@ DRIVER = r'''
 import json, sys
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.state_dict import get_model_state_dict
+from internlm_core.checkpoint import CheckpointManager
 from internlm_core.checkpoint.hf import config_from_hf, load_hf_llama
 from internlm_core.config import dump_yaml, load_config
 from internlm_core.distributed import ParallelDims, destroy_distributed, init_distributed
@@ -37,7 +36,8 @@ layout = sys.argv[4:]
 launch = init_distributed(None)
 keys = config_from_hf(hf_dir)
 cfg = load_config("configs/tiny.py", ["model_type=LLAMA", "data.seq_len=64", "model.dtype=torch.float32",
-                                      "tokenizer=byte", "data.micro_num=2", *layout,
+                                      "tokenizer=byte", "data.micro_num=2", *layout, "ckpt.enable_save_ckpt=True",
+                                      f"ckpt.save_ckpt_folder={ckpt_dir}",
                                       *[f"model.{k}={v}" for k, v in keys.items()]], world_size=launch.world_size)
 dims = ParallelDims.from_config(cfg.parallel, launch.world_size)
 dims.build_mesh("cpu")
@@ -54,9 +54,12 @@ if pipeline is None:  # (a pipeline stage has no whole forward: its export below
         if hasattr(logits, "full_tensor"):  # vocab-parallel logits under tensor parallel
             logits = logits.full_tensor()
         loss = FlashGPTLMLoss(use_flash=False)(logits[:, :-1], ids[:, 1:]).item()
-dcp.save({"model": get_model_state_dict(model)}, checkpoint_id=ckpt_dir)
+mgr = CheckpointManager(cfg.ckpt, rank=launch.rank, world_size=launch.world_size, local_rank=launch.local_rank,
+                        dims=dims, config_text=dump_yaml(cfg))
+mgr.register_model(model)
+mgr.save(7, "test")
+mgr.close()
 if launch.rank == 0:
-    json.dump({"step": 0, "config": dump_yaml(cfg)}, open(ckpt_dir + "/meta.json", "w"))
     json.dump({"loss": loss, "loaded": len(loaded), "world": launch.world_size, "global_rows": shard.shape[0],
                "local_rows": shard.to_local().shape[0] if hasattr(shard, "to_local") else shard.shape[0]},
               open(out, "w"))
@@ -101,13 +104,14 @@ def test_sharded_import_then_checkpoint_exports_to_the_same_model(tmp_path, layo
         hf_logits = hf(ids).logits
     if res["loss"] is not None:
         assert abs(res["loss"] - hf_loss) <= 1e-5, (res["loss"], hf_loss)
-    assert len(list(ckpt.glob("*.distcp"))) == 2  # one file per rank
+    assert len(list((ckpt / "7").glob("*.distcp"))) == 2  # one file per rank
 
     e = env()
     e["HF_HUB_OFFLINE"] = "1"
     p = subprocess.run([sys.executable, "tools/convert2hf.py", str(ckpt), str(out), "--max-shard-size", "100KB"],
                        cwd=ROOT, env=e, capture_output=True, text=True, timeout=300)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    assert f"newest complete checkpoint under {ckpt}: step 7" in p.stdout
     assert "key prefix 'model.'" in p.stdout and "byte tokenizer: tokenizer.json" in p.stdout
     assert (out / "model.safetensors.index.json").is_file() and (out / "tokenizer.json").is_file()
     back = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
@@ -116,6 +120,48 @@ def test_sharded_import_then_checkpoint_exports_to_the_same_model(tmp_path, layo
     assert diff <= 1e-4, diff
     tok = transformers.AutoTokenizer.from_pretrained(out)
     assert tok("hi")["input_ids"] == [256, ord("h"), ord("i")]
+
+
+def test_train_then_export_equals_the_checkpointed_model(tmp_path):
+    """train.py saves a checkpoint; the export's HF logits equal our model loaded by CheckpointManager."""
+    from internlm_core.checkpoint import CheckpointManager
+    from internlm_core.config import load_config
+    from internlm_core.model import build_model
+    from tests.helpers.launch import run_train
+
+    ckpts, out = tmp_path / "ckpts", tmp_path / "hf"
+    sets = ["data.total_steps=3", "data.valid_every=0", "ckpt.enable_save_ckpt=True", "ckpt.checkpoint_every=3",
+            f"ckpt.save_ckpt_folder={ckpts}", "tokenizer=byte", "model.vocab_size=320"]
+    p = run_train(["--config", "configs/tiny.py", "--run-dir", str(tmp_path / "run"), "--set", *sets])
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    p = subprocess.run([sys.executable, "tools/convert2hf.py", str(ckpts / "3"), str(out)],
+                       cwd=ROOT, env=env(), capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    assert f"checkpoint of step 3: {ckpts / '3'}" in p.stdout and "INTERNLM -> LlamaForCausalLM" in p.stdout
+    conf = json.loads((out / "config.json").read_text())
+    assert conf["attention_bias"] is True and conf["torch_dtype"] == "float32"  # InternLM v1, fp32 run
+
+    cfg = load_config("configs/tiny.py", sets)
+    ours = build_model(cfg)
+    mgr = CheckpointManager(cfg.ckpt)
+    mgr.register_model(ours)
+    mgr.load(str(ckpts / "3"), ("model",))
+    hf = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+    torch.manual_seed(5)
+    ids = torch.randint(0, 320, (2, 128))
+    ours.eval()
+    with torch.no_grad():
+        diff = (ours(ids) - hf(ids).logits).abs().max().item()
+    assert diff <= 1e-4, diff
+    assert ours.layers["0"].attention.wo.bias.abs().max() > 0  # trained: the biases moved away from zero
+
+    (ckpts / "3" / "COMPLETE").unlink()  # as if killed while writing
+    p = subprocess.run([sys.executable, "tools/convert2hf.py", str(ckpts / "3"), str(tmp_path / "x")],
+                       cwd=ROOT, env=env(), capture_output=True, text=True, timeout=120)
+    assert p.returncode == 2
+    assert p.stderr.strip() == (f"error: checkpoint {ckpts / '3'} has no COMPLETE marker: it was interrupted while "
+                                f"being written (or not written by train.py); convert an older one, or pass "
+                                f"--allow-incomplete")
 
 
 def test_convert_errors_are_one_line(tmp_path):
@@ -127,4 +173,4 @@ def test_convert_errors_are_one_line(tmp_path):
     p = subprocess.run([sys.executable, "tools/convert2hf.py", str(tmp_path / "empty"), str(tmp_path / "out")],
                        cwd=ROOT, env=env(), capture_output=True, text=True, timeout=120)
     assert p.returncode == 2
-    assert "no DCP checkpoint with model weights" in p.stderr and "Traceback" not in p.stderr
+    assert "no complete checkpoint in it" in p.stderr and "Traceback" not in p.stderr
