@@ -112,6 +112,8 @@ class Packer:
             if self.vocab_size is not None:
                 self._check_vocab(toks[:n_real], frag_starts, order, s)
         if n_real < P:  # padding
+            if not n_real and len(order.ends):  # a row past the end: the type of the stream's last document
+                last_type = int(corpus.types[order.doc(len(order.ends) - 1)])
             toks[n_real:] = 0
             labels[n_real:] = IGNORE_INDEX
             type_ids[n_real:] = last_type

@@ -226,6 +226,8 @@ def test_valid_loaders_split_and_cover_everything(tmp_path):
     code = [list(per_rank[r]["code"]) for r in (0, 1)]
     assert len(code[0]) == len(code[1]) == 1
     assert int((code[1][0]["labels"] != -100).sum()) == 0  # rank 1 gets a padding batch to stay in step
+    code_id = next(iter(code[1][0]["type_names"]))
+    assert code_id != 0 and bool((code[1][0]["type_ids"] == code_id).all())
     # re-iterable from the start
     assert _same(list(per_rank[0]["wiki"])[0], wiki[0][0])
     assert build_valid_loaders(_cfg(), dp_rank=0, dp_size=1, vocab_size=100) == {}
