@@ -174,3 +174,33 @@ def test_convert_errors_are_one_line(tmp_path):
                        cwd=ROOT, env=env(), capture_output=True, text=True, timeout=120)
     assert p.returncode == 2
     assert "no complete checkpoint in it" in p.stderr and "Traceback" not in p.stderr
+
+
+def test_train_py_imports_hf_llama_under_fsdp(tmp_path):
+    """load_ckpt_info ckpt_type="hf_llama" through train.py on 2 FSDP ranks; with lr 0 the checkpoint it saves
+    exports back to the very tensors of the Hugging Face folder."""
+    from safetensors.torch import load_file
+
+    from internlm_core.checkpoint.hf import config_from_hf, read_hf_tensors
+    from tests.helpers.launch import read_metrics, run_train
+
+    hf_dir, ckpts, out = tmp_path / "hf_in", tmp_path / "ckpts", tmp_path / "hf_out"
+    write_hf_llama(hf_dir)
+    keys = config_from_hf(hf_dir)
+    info = {"path": str(hf_dir), "content": ["model"], "ckpt_type": "hf_llama"}
+    sets = ["model_type=LLAMA", *[f"model.{k}={v}" for k, v in keys.items()], "data.seq_len=64", "data.total_steps=1",
+            "data.valid_every=0", "adam.lr=0.0", "lr_scheduler.eta_min=0.0", "parallel.zero1=-1",
+            f"ckpt.load_ckpt_info={info!r}", "ckpt.enable_save_ckpt=True", f"ckpt.save_ckpt_folder={ckpts}",
+            "ckpt.checkpoint_every=1"]
+    p = run_train(["--config", "configs/tiny.py", "--run-dir", str(tmp_path / "run"), "--set", *sets], nproc=2)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    first = read_metrics(tmp_path / "run")[0]["loss"]
+    assert 4.0 < first < 7.5  # a random 300-token model: about ln(300) = 5.7
+    p = subprocess.run([sys.executable, "tools/convert2hf.py", str(ckpts), str(out), "--tokenizer", "none"],
+                       cwd=ROOT, env=env(), capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    original = read_hf_tensors(hf_dir)
+    exported = load_file(str(out / "model.safetensors"))
+    assert exported.keys() == original.keys()
+    for name, t in original.items():
+        assert torch.equal(exported[name], t), name
