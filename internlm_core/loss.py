@@ -72,11 +72,15 @@ def vocab_parallel_cross_entropy(logits: DTensor, labels: torch.Tensor, label_sm
     Must run, with its backward, under `torch.distributed.tensor.parallel.loss_parallel()`: the softmax
     statistics are all-reduced over the tensor-parallel ranks instead of gathering [N, V] logits.
     loss_parallel has no label smoothing; it is added here as torch computes it:
-    (1 - e) * nll + e * mean over the vocabulary of -log p.
+    (1 - e) * nll + e * mean over the vocabulary of -log p, with mean(-log p) = logsumexp(x) - mean(x).
+    (Not from log_softmax: under loss_parallel its backward is fused into nll_loss's and would be wrong
+    for any other use of its output.)
     """
     logits = logits.float()
     nll = _plain(F.cross_entropy(logits, labels, ignore_index=-100, reduction="none"))
     if label_smoothing == 0:
         return nll
-    smooth = _plain(-F.log_softmax(logits, dim=-1).sum(dim=-1)) / logits.shape[-1]
+    peak = logits.detach().amax(dim=-1, keepdim=True)
+    logsumexp = (logits - peak).exp().sum(dim=-1).log() + peak.squeeze(-1)
+    smooth = _plain(logsumexp - logits.sum(dim=-1) / logits.shape[-1])
     return (1.0 - label_smoothing) * nll + label_smoothing * smooth * (labels != -100)

