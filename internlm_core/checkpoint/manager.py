@@ -45,6 +45,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 
 from ..errors import CheckpointError
 from ..utils.logging import get_logger
@@ -445,8 +446,9 @@ class CheckpointManager:
                                                             use_non_blocking_copy=False))
             try:
                 fut = dcp.async_save(state, storage_writer=writer, async_stager=self._stager, **self._dcp_kwargs())
-            except Exception as e:
-                raise CheckpointError(f"checkpoint {result.url}: staging failed on rank {self.rank}: {e}") from e
+            except _ERRORS as e:
+                raise CheckpointError(f"checkpoint {result.url}: staging failed on rank {self.rank}: "
+                                      f"{_describe(_unwrap(e))}") from e
             fut = getattr(fut, "upload_completion", fut)
             del state
             result.blocked_s = time.perf_counter() - t0
@@ -460,8 +462,8 @@ class CheckpointManager:
             err = ""
             try:
                 dcp.save(state, storage_writer=writer, **self._dcp_kwargs())
-            except Exception as e:
-                err = f"writing {write_dir}: {type(e).__name__}: {e}"
+            except _ERRORS as e:
+                err = f"writing {write_dir}: {_describe(_unwrap(e))}"
             del state
             self._finish(None, err, write_dir, meta, result, t0)
             result.blocked_s = time.perf_counter() - t0
@@ -504,8 +506,8 @@ class CheckpointManager:
             if fut is not None:
                 try:
                     fut.result()
-                except Exception as e:
-                    ok, error = False, f"writing {write_dir}: {type(e).__name__}: {e}"
+                except _ERRORS as e:
+                    ok, error = False, f"writing {write_dir}: {_describe(_unwrap(e))}"
             files: dict[str, int] = {}
             if ok:
                 try:
@@ -546,8 +548,8 @@ class CheckpointManager:
                 self._barrier()
                 if self.local_rank == 0:
                     shutil.rmtree(write_dir, ignore_errors=True)
-        except Exception as e:  # a peer died in a collective, or a bug: this save did not complete
-            ok, error = False, f"{type(e).__name__}: {e}"
+        except _ERRORS as e:  # a peer died in a collective, or a bug: this save did not complete
+            ok, error = False, _describe(_unwrap(e))
         result.ok, result.error = ok, error
         result.total_s = time.perf_counter() - t0
         self.last_result = result
@@ -747,9 +749,12 @@ class CheckpointManager:
                          **self._dcp_kwargs())
             except CheckpointError:
                 raise
-            except Exception as e:
+            except _ERRORS as e:
+                inner = _unwrap(e)
+                if isinstance(inner, CheckpointError):
+                    raise inner from None
                 raise CheckpointError(f"checkpoint {ref.url}: loading failed on rank {self.rank}: "
-                                      f"{type(e).__name__}: {e}") from e
+                                      f"{_describe(inner)}") from e
             apply(request)
         finally:
             cleanup()
@@ -869,8 +874,26 @@ class CheckpointManager:
                                   f"{'; '.join(problems[:6])}{more}")
 
 
+# DCP raises CheckpointException, a BaseException: catch it with the ordinary ones
+_ERRORS = (Exception, CheckpointException)
+
+
+def _unwrap(e: BaseException) -> BaseException:
+    """The first rank's underlying error of a DCP CheckpointException (ours if one of ours is there)."""
+    if isinstance(e, CheckpointException):
+        inner = [v[0] if isinstance(v, tuple) else v for v in e.failures.values()]
+        ours = [x for x in inner if isinstance(x, CheckpointError)]
+        if ours or inner:
+            return (ours or inner)[0]
+    return e
+
+
+def _describe(e: BaseException) -> str:
+    return str(e) if isinstance(e, CheckpointError) else f"{type(e).__name__}: {e}"
+
+
 def _shape(shape: tuple) -> str:
-    return "(" + ", ".join(str(int(s)) for s in shape) + ")"
+    return str(tuple(int(s) for s in shape))
 
 
 def _only_present(template: Any, prefix: str, index: dict) -> Any:
