@@ -46,7 +46,14 @@ LAYOUTS = {
                                         "model.checkpoint=0.5"]),
     "dp2_tp2": (4, "INTERNLM2", ["parallel.tensor=2", "parallel.zero1=-1", "data.micro_num=2"]),
 }
-CKPT_STEP = 3  # tp2 saves here; "resume_dp2" loads it under data parallel and trains on
+# Checkpoints through the CheckpointManager: these layouts save at step CKPT_STEP; a run of another layout
+# resumes from it (auto_resume) and trains the remaining steps.
+CKPT_STEP = 3
+SAVING = ("tp2", "pp2")
+RESUMES = {  # name: (saved by, processes, model type, overrides of the resuming layout)
+    "tp2_to_dp2": ("tp2", 2, "INTERNLM", ["parallel.zero1=-1", "data.micro_num=2"]),
+    "pp2_to_tp2": ("pp2", 2, "INTERNLM2", ["parallel.tensor=2", "data.micro_num=4"]),
+}
 PROBE_ROW = 10_000  # validation probe: the global rows after this one (never trained on)
 
 
@@ -118,31 +125,6 @@ def _vocab_parallel_checks(trainer) -> dict:
     return out
 
 
-def _save_checkpoint(trainer, path: Path) -> None:
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import get_state_dict
-    msd, osd = get_state_dict(trainer.model, trainer.optimizer)
-    dcp.save({"model": msd, "optim": osd}, checkpoint_id=str(path))
-    if trainer.rank == 0:
-        torch.save({"lr": trainer.lr_scheduler.state_dict(), "beta2": trainer.beta2_scheduler.state_dict(),
-                    "loader": trainer.train_loader.state_dict(), "state": trainer.state.state_dict()},
-                   path / "trainer.pt")
-
-
-def _load_checkpoint(trainer, path: Path) -> None:
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
-    msd, osd = get_state_dict(trainer.model, trainer.optimizer)
-    state = {"model": msd, "optim": osd}
-    dcp.load(state, checkpoint_id=str(path))
-    set_state_dict(trainer.model, trainer.optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
-    extra = torch.load(path / "trainer.pt", weights_only=False)
-    trainer.lr_scheduler.load_state_dict(extra["lr"])
-    trainer.beta2_scheduler.load_state_dict(extra["beta2"])
-    trainer.train_loader.load_state_dict(extra["loader"])
-    trainer.state.load_state_dict(extra["state"])
-
-
 def worker(rank: int, world: int, port: int, name: str, model_type: str, overrides: list[str], out: str) -> None:
     """One rank of one layout: train STEPS steps through build_trainer / Trainer.train, then record."""
     if world > 1:  # a spawned process of its own (world 1 runs in the test process: leave its environment alone)
@@ -154,6 +136,12 @@ def worker(rank: int, world: int, port: int, name: str, model_type: str, overrid
     from internlm_core.trainer.build import build_trainer, resolve_run_dir
 
     out_dir = Path(out)
+    if name in SAVING:
+        overrides = overrides + ["ckpt.enable_save_ckpt=True", f"ckpt.save_ckpt_folder={out_dir / 'ckpt'}",
+                                 f"ckpt.checkpoint_every={CKPT_STEP}", "ckpt.save_at_end=False"]
+    if name in RESUMES:
+        overrides = overrides + [f"ckpt.save_ckpt_folder={out_dir.parent / RESUMES[name][0] / 'ckpt'}",
+                                 "ckpt.auto_resume=True"]
     launch = init_distributed("torch" if world > 1 else "none", timeout_s=120)
     cfg = _config(model_type, overrides, launch.world_size)
     record: dict = {"losses": [], "acc": [], "ppl": [], "grad_norm": []}
@@ -163,8 +151,7 @@ def worker(rank: int, world: int, port: int, name: str, model_type: str, overrid
             for k in ("acc", "ppl", "grad_norm"):
                 record[k].append(metrics[k])
             record["losses"].append(metrics["loss"])
-            if name == "tp2" and trainer.state.batch_count == CKPT_STEP:
-                _save_checkpoint(trainer, out_dir / "ckpt")
+            if name in SAVING and trainer.state.batch_count == CKPT_STEP:
                 record["params_at_ckpt"] = _full_params(trainer.model)
 
         def on_validation_end(self, trainer, metrics):
@@ -173,9 +160,9 @@ def worker(rank: int, world: int, port: int, name: str, model_type: str, overrid
     trainer = build_trainer(cfg, launch, resolve_run_dir(cfg, str(out_dir / "run"), launch), extra_callbacks=[Record()])
     # validation at the last step on rows never trained on, split over dp ranks like any validation batch
     trainer.valid_loaders = {"probe": [trainer.train_loader.batch_at(PROBE_ROW)]}
-    if name == "resume_dp2":
-        _load_checkpoint(trainer, out_dir.parent / "tp2" / "ckpt")
+    if name in RESUMES:  # build_trainer resumed already
         record["params_after_load"] = _full_params(trainer.model)
+        record["resumed_at"] = trainer.state.batch_count
     t0 = time.perf_counter()
     trainer.train()
     record["train_seconds"] = time.perf_counter() - t0
@@ -210,9 +197,10 @@ def runs(tmp_path_factory):
         if name not in cache:
             if name.startswith("reference_"):
                 cache[name] = run(name, 1, name[len("reference_"):], [f"data.micro_num={GLOBAL_MICRO}"], root)
-            elif name == "resume_dp2":
-                get("tp2")  # writes the checkpoint
-                cache[name] = run(name, 2, "INTERNLM", ["parallel.zero1=-1", "data.micro_num=2"], root)
+            elif name in RESUMES:
+                source, world, model_type, overrides = RESUMES[name]
+                get(source)  # writes the checkpoint
+                cache[name] = run(name, world, model_type, overrides, root)
             else:
                 world, model_type, overrides = LAYOUTS[name]
                 cache[name] = run(name, world, model_type, overrides, root)
@@ -288,16 +276,20 @@ def test_vocab_parallel_loss_and_argmax(runs, name):
             assert v[f"grad_diff_{eps}"] <= 1e-7, v
 
 
-def test_checkpoint_from_tensor_parallel_resumes_under_data_parallel(runs):
-    saved = merged_params([{"params": r["params_at_ckpt"]} for r in runs("tp2")])
-    resumed = runs("resume_dp2")
-    ref = runs("reference_INTERNLM")[0]
-    for rec in resumed:  # the dp2 (FSDP-sharded) model holds exactly the tp2 weights of step 3
+@pytest.mark.parametrize("name", list(RESUMES))
+def test_checkpoint_resumes_under_another_layout(runs, name):
+    """Saved by the CheckpointManager under one layout at step 3, resumed (auto_resume) under another:
+    the same weights, and steps 4-5 as the uninterrupted single process."""
+    source, _, model_type, _ = RESUMES[name]
+    saved = merged_params([{"params": r["params_at_ckpt"]} for r in runs(source)])
+    resumed = runs(name)
+    ref = runs(f"reference_{model_type}")[0]
+    for rec in resumed:
+        assert rec["resumed_at"] == CKPT_STEP
         loaded = rec["params_after_load"]
         assert loaded.keys() == saved.keys()
         for n in saved:
             assert torch.equal(loaded[n], saved[n]), n
-    # and training continues as if never interrupted: steps 4 and 5 as the uninterrupted single process
     losses = resumed[0]["losses"]
     assert len(losses) == STEPS - CKPT_STEP
     for a, b in zip(losses, ref["losses"][CKPT_STEP:]):
