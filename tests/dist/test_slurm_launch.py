@@ -111,17 +111,39 @@ def test_slurm_env_forms_the_same_group_as_torchrun(tmp_path):
     assert by_slurm[0]["gathered"] == [{"rank": 0, "local_rank": 0}, {"rank": 1, "local_rank": 1}]
 
 
-def test_train_py_under_slurm_env_trains_data_parallel(tmp_path):
-    """`srun python train.py --config ... --launcher slurm` with 2 tasks: one metrics record per step."""
+FAKE_SRUN = r"""#!/usr/bin/env python3
+# Stand-in for srun on one machine: start SLURM_NTASKS copies of the command with the variables srun sets.
+import os, subprocess, sys
+args = sys.argv[1:]
+open(os.environ["FAKE_SRUN_LOG"], "w").write(" ".join(args))
+while args and args[0].startswith("-"):
+    args.pop(0)
+n = int(os.environ["SLURM_NTASKS"])
+procs = [subprocess.Popen(args, env={**os.environ, "SLURM_PROCID": str(i), "SLURM_LOCALID": str(i)}) for i in range(n)]
+sys.exit(max(p.wait() for p in procs))
+"""
+
+
+def test_sbatch_template_trains_under_srun(tmp_path):
+    """tools/slurm/train.sbatch as sbatch would run it (a stand-in srun starts 2 local tasks): train.py with
+    --launcher slurm trains data parallel, one metrics record per step, a log per rank."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "srun").write_text(FAKE_SRUN)
+    (bin_dir / "srun").chmod(0o755)
     run = tmp_path / "run"
     port = free_port_in(29600, 39000)
-    cmd = [sys.executable, str(ROOT / "train.py"), "--config", "configs/tiny.py", "--launcher", "slurm",
-           "--run-dir", str(run), "--set", "data.total_steps=2", "data.valid_every=0", "data.seq_len=64",
-           "model.hidden_size=64", "monitor.tensorboard=False", "parallel.zero1=-1"]
-    results = run_srun_like(cmd, 2, job_id=port - 29500)
-    for r in results:
-        assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
+    e = slurm_env(0, 2, job_id=port - 29500)
+    e.update(PATH=f"{bin_dir}{os.pathsep}{e['PATH']}", SLURM_SUBMIT_DIR=str(ROOT), SLURM_JOB_NAME="t",
+             SLURM_NNODES="1", RUN_DIR=str(run), FAKE_SRUN_LOG=str(tmp_path / "srun.args"))
+    p = subprocess.run(["bash", str(ROOT / "tools/slurm/train.sbatch"), "configs/tiny.py", "--set",
+                        "data.total_steps=2", "data.valid_every=0", "data.seq_len=64", "model.hidden_size=64",
+                        "monitor.tensorboard=False", "parallel.zero1=-1"],
+                       cwd=ROOT, env=e, capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-3000:]
+    assert "job " in p.stdout and "2 tasks" in p.stdout
+    assert (tmp_path / "srun.args").read_text().startswith("--kill-on-bad-exit=1")
     recs = read_metrics(run)
     assert [r["step"] for r in recs] == [1, 2]
     assert recs[-1]["num_consumed_tokens"] == 2 * 2 * 2 * 2 * 64  # steps x dp x micro_num x micro_bsz x seq_len
-    assert os.path.exists(run / "rank1.log")
+    assert (run / "rank0.log").exists() and (run / "rank1.log").exists()
