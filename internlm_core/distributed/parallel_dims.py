@@ -23,6 +23,7 @@ class ParallelDims:
     pp: int = 1
     zero1: int = -1
     mesh: Optional[DeviceMesh] = field(default=None, repr=False)
+    _flat: dict = field(default_factory=dict, repr=False)  # flattened dimensions, kept here (torch asks for it)
 
     def __post_init__(self) -> None:
         if self.world_size % (self.tp * self.pp):
@@ -60,15 +61,21 @@ class ParallelDims:
                               f"{dist.get_world_size()} ranks")
         mesh = init_device_mesh(device_type, (self.pp, self.dp_replicate, self.dp_shard, self.tp),
                                 mesh_dim_names=("pp", "dp_replicate", "dp_shard", "tp"))
-        mesh["dp_replicate", "dp_shard"]._flatten("dp")
-        mesh["pp", "dp_replicate", "dp_shard"]._flatten("pp_dp")
+        self._flat = {"dp": mesh["dp_replicate", "dp_shard"]._flatten("dp"),
+                      "pp_dp": mesh["pp", "dp_replicate", "dp_shard"]._flatten("pp_dp")}
         self.mesh = mesh
         return mesh
+
+    def submesh(self, name: str) -> DeviceMesh:
+        """The mesh of one dimension ("pp", "dp_replicate", "dp_shard", "tp") or flattened one ("dp", "pp_dp")."""
+        if self.mesh is None:
+            raise ValueError("ParallelDims.submesh: no device mesh (one process, or build_mesh not called)")
+        return self._flat[name] if name in self._flat else self.mesh[name]
 
     def _coord(self, name: str) -> tuple[int, int]:
         if self.mesh is None:
             return 0, 1
-        sub = self.mesh[name]
+        sub = self.submesh(name)
         return sub.get_local_rank(), sub.size()
 
     @property
@@ -87,7 +94,7 @@ class ParallelDims:
         """The process group of one mesh dimension ("dp", "tp", "pp", "pp_dp", ...); None for one process."""
         if self.mesh is None:
             return None
-        return self.mesh[name].get_group()
+        return self.submesh(name).get_group()
 
     def describe(self) -> str:
         return (f"dp={self.dp} (shard {self.dp_shard} x replicate {self.dp_replicate}) tp={self.tp} pp={self.pp}"

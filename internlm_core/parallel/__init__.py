@@ -34,7 +34,7 @@ def parallelize_model(model: nn.Module, cfg: Config, dims: ParallelDims, device:
         logger.info(f"pipeline rank {dims.pp_rank}/{dims.pp}: stages {stage_ids} of {dims.pp * cfg.model.num_chunks}, "
                     f"layers {list(model.layers.keys())}")
     if dims.tp > 1:
-        apply_tensor_parallel(model, dims.mesh["tp"], cfg.parallel.sequence_parallel, cfg.model.parallel_output,
+        apply_tensor_parallel(model, dims.submesh("tp"), cfg.parallel.sequence_parallel, cfg.model.parallel_output,
                               local_logits=dims.pp > 1)
     n = apply_activation_checkpointing(model, cfg.model.checkpoint)
     if n:
@@ -46,7 +46,7 @@ def parallelize_model(model: nn.Module, cfg: Config, dims: ParallelDims, device:
         apply_fsdp(model, dims, roots=chunks, reshard_after_forward=dims.pp == 1)
     pipeline = None
     if dims.pp > 1:
-        logits_mesh = dims.mesh["tp"] if dims.tp > 1 and cfg.model.parallel_output else None
+        logits_mesh = dims.submesh("tp") if dims.tp > 1 and cfg.model.parallel_output else None
         pipeline = PipelineParallel(chunks, stage_ids, dims.pp * cfg.model.num_chunks, cfg.data.micro_num,
                                     dims.group("pp"), device, logits_mesh=logits_mesh)
     return model, pipeline
