@@ -1,0 +1,129 @@
+"""Checkpoints under torchrun (gloo, 2 processes): SIGKILL and auto-resume bitwise with 2 data-parallel ranks; a
+checkpoint saved by 2 processes (FSDP-sharded) loads on 1 and one saved by 1 loads on 2, with identical weights
+and optimizer state.
+
+Run as a script (`python -m torch.distributed.run ... tests/dist/test_checkpoint_dist.py OUT --config ...`) this file
+is the driver of the resharding test: it builds the trainer as train.py does (which loads the checkpoint), writes the
+full (gathered) model and optimizer state right after loading and again after training.
+"""
+
+from __future__ import annotations
+
+import signal
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.helpers.launch import read_metrics, run_train
+
+pytestmark = pytest.mark.slow
+
+ME = "tests/dist/test_checkpoint_dist.py"
+STEPS = 20
+
+
+def output(p) -> str:
+    return p.stdout[-4000:] + p.stderr[-4000:]
+
+
+def train_args(run: Path, ckpt: Path, *extra: str) -> list[str]:
+    return ["--config", "configs/tiny.py", "--run-dir", str(run), "--set", f"data.total_steps={STEPS}",
+            "data.valid_every=0", "monitor.tensorboard=False", "monitor.log_every=5", "ckpt.enable_save_ckpt=True",
+            f"ckpt.save_ckpt_folder={ckpt}", "ckpt.checkpoint_every=5", *extra]
+
+
+def test_two_ranks_sigkill_then_auto_resume_is_bitwise(tmp_path):
+    from internlm_core.checkpoint.faults import ENV as FAULT_ENV
+    ref = run_train(train_args(tmp_path / "ref", tmp_path / "ref_ckpt"), nproc=2)
+    assert ref.returncode == 0, output(ref)
+    ref_loss = {r["step"]: r["loss"] for r in read_metrics(tmp_path / "ref")}
+    assert sorted(ref_loss) == list(range(1, STEPS + 1))
+
+    ckpt = tmp_path / "ckpt"
+    p = run_train(train_args(tmp_path / "killed", ckpt), nproc=2, extra_env={FAULT_ENV: "kill_after_commit@10"})
+    assert p.returncode != 0 and "Signal 9 (SIGKILL)" in p.stdout + p.stderr, output(p)
+    assert sorted((ckpt / "10").glob("__*_0.distcp")) == [ckpt / "10/__0_0.distcp", ckpt / "10/__1_0.distcp"]
+
+    q = run_train(train_args(tmp_path / "resumed", ckpt), nproc=2)
+    assert q.returncode == 0, output(q)
+    assert f"loaded {ckpt / '10'} (step 10, regular" in q.stdout and "same layout: exact resume" in q.stdout
+    resumed = read_metrics(tmp_path / "resumed")
+    assert [r["step"] for r in resumed] == list(range(11, STEPS + 1))
+    assert [r["loss"] for r in resumed] == [ref_loss[s] for s in range(11, STEPS + 1)]
+    assert resumed[-1]["num_consumed_tokens"] == STEPS * 2 * 2 * 512
+
+
+# ---- resharding: N processes save, M load -------------------------------------------------------------------------
+
+def driver_args(run: Path, ckpt: Path, steps: int, *extra: str) -> list[str]:
+    return ["--config", "configs/tiny.py", "--run-dir", str(run), "--set", f"data.total_steps={steps}",
+            "data.valid_every=0", "monitor.tensorboard=False", "ckpt.enable_save_ckpt=True",
+            f"ckpt.save_ckpt_folder={ckpt}", "ckpt.checkpoint_every=1000", "parallel.zero1=-1", *extra]
+
+
+def run_driver(out: Path, args: list[str], nproc: int):
+    p = run_train([str(out), *args], nproc=nproc, script=ME)
+    assert p.returncode == 0, output(p)
+    return p
+
+
+def assert_same_state(a: dict, b: dict) -> None:
+    assert a["model"].keys() == b["model"].keys() and len(a["model"]) > 20
+    for k in a["model"]:
+        assert torch.equal(a["model"][k], b["model"][k]), k
+    assert a["optimizer"].keys() == b["optimizer"].keys() and len(a["optimizer"]) > 40
+    for k in a["optimizer"]:
+        assert torch.equal(a["optimizer"][k], b["optimizer"][k]), k
+    assert a["state"]["batch_count"] == b["state"]["batch_count"]
+    assert a["data"]["rows_consumed"] == b["data"]["rows_consumed"]
+
+
+@pytest.mark.parametrize("save_procs,load_procs", [(2, 1), (1, 2)])
+def test_checkpoint_loads_on_another_number_of_processes(tmp_path, save_procs, load_procs):
+    saved = run_driver(tmp_path / "saved", driver_args(tmp_path / "run_a", tmp_path / "a", 6), save_procs)
+    assert saved.returncode == 0
+    info = f"ckpt.load_ckpt_info={{'path': '{tmp_path / 'a/6'}', 'content': ('all',)}}"
+    p = run_driver(tmp_path / "loaded", driver_args(tmp_path / "run_b", tmp_path / "b", 8, info), load_procs)
+    assert "layout changed from" in p.stdout
+    a = torch.load(tmp_path / "saved.trained.pt", weights_only=True)
+    b = torch.load(tmp_path / "loaded.loaded.pt", weights_only=True)
+    assert_same_state(a, b)
+    assert b["state"]["batch_count"] == 6 and b["data"]["rows_consumed"] == 6 * 2 * save_procs  # rows of all ranks
+    assert [r["step"] for r in read_metrics(tmp_path / "run_b")] == [7, 8]  # and training goes on from there
+
+
+def _dump(trainer, path: str, rank: int) -> None:
+    from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
+                                                         get_optimizer_state_dict)
+    opts = StateDictOptions(full_state_dict=True, cpu_offload=True, flatten_optimizer_state_dict=True)
+    msd = get_model_state_dict(trainer.model, options=opts)
+    osd = get_optimizer_state_dict(trainer.model, trainer.optimizer, options=opts)
+    if rank == 0:
+        torch.save({"model": msd, "optimizer": {k: v for k, v in osd.items() if isinstance(v, torch.Tensor)},
+                    "state": trainer.state.state_dict(), "data": trainer.train_loader.state_dict()}, path)
+
+
+def driver(out: str, argv: list[str]) -> None:
+    import train
+    from internlm_core.config import load_config
+    from internlm_core.distributed import destroy_distributed, init_distributed
+    from internlm_core.trainer.build import build_trainer, resolve_run_dir
+    from internlm_core.utils.logging import setup_logging
+
+    args = train.parse_args(argv)
+    launch = init_distributed(args.launcher)
+    cfg = load_config(args.config, args.set, world_size=launch.world_size)
+    run_dir = resolve_run_dir(cfg, args.run_dir, launch)
+    setup_logging(launch.rank, run_dir)
+    trainer = build_trainer(cfg, launch, run_dir)
+    if trainer.checkpoint_manager.loaded is not None:  # (reading a fresh optimizer's state would initialize it)
+        _dump(trainer, f"{out}.loaded.pt", launch.rank)
+    trainer.train()
+    _dump(trainer, f"{out}.trained.pt", launch.rank)
+    destroy_distributed()
+
+
+if __name__ == "__main__":
+    driver(sys.argv[1], sys.argv[2:])
