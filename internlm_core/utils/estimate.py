@@ -1,34 +1,305 @@
-"""Analytic parameter and memory figures of a config (used by `train.py --dry-run`)."""
+"""Analytic size, FLOPs, memory and step time of a config under a parallel layout.
+
+Used by `train.py --dry-run` (`describe`) and `tools/estimate.py`. Everything is per device (one GPU, or one
+CPU process), in bytes unless a name says otherwise.
+
+Two precision accountings (`precision`):
+
+internlm_core (this code base): parameters, gradients and AdamW's two moments are fp32 and FSDP2 shards all
+    of them over the `zero1` group (4 + 4 + 8 bytes per parameter / shard); a bf16/fp16 run computes under
+    autocast, which keeps a 16-bit copy of every weight matrix used in forward until backward (the cast is
+    saved for the input gradient), so the matrices of non-recomputed layers cost 2 more bytes per parameter,
+    unsharded. FSDP holds the gathered parameters of the running and the prefetched block, the gathered
+    gradient of one block before its reduce-scatter, and the root's (embedding, final norm, output) all step.
+internlm: InternLM's hybrid ZeRO-1 with bf16 parameters and gradients on every data-parallel rank (2 + 2
+    bytes per parameter) and the fp32 master copy plus AdamW moments sharded over `zero1` (12 bytes /
+    zero1); no weight copies (the model computes in bf16), fused RMSNorm (input saved once).
+
+Activations are counted tensor by tensor as the backward graph of `internlm_core.model.transformer` keeps
+them (checked against `torch.autograd.graph.saved_tensors_hooks` in tests/unit/test_estimate.py):
+
+    per layer and token, h hidden, kv key/value width, f FFN width, H heads, s seq_len, a compute bytes,
+    r residual bytes (fp32 under autocast):
+      2 RMSNorms         2 * (n * r * h + 8)       n = 1 (CUDA's fused RMSNorm, InternLM's apex norm: the
+                                                   input), 2 on CPU (torch's composite: input and normalized)
+      linear inputs      k * a * h                 k = 5 under autocast (q, k, v, w1, w2 each cast their
+                                                   input), 2 when the compute dtype is the parameter dtype
+      attention          a * (2h + 2kv) + 4H       q, k, v, output, log-sum-exp
+      document mask      a * s                     SDPA with a packed-document mask only (not flash-attn)
+      SwiGLU FFN         4 * a * f                 w1 x, silu(w1 x), w2 x, their product
+    a recomputed (checkpointed) layer keeps only its input (r * h), and one layer's worth is rebuilt at a
+    time in backward. Head (last pipeline stage), per token: the final norm, the output layer's input, the
+    logits (a * V, held by the trainer through backward) and their fp32 log-softmax (4V); the loss's backward
+    briefly needs two more fp32 V-wide buffers. Tensor parallel divides head- and FFN-sharded activations
+    and vocabulary-wide ones by tp (norm-side ones too with sequence parallel). Pipeline: a stage holds
+    L / pp layers and, under 1F1B, up to min(pp, micro_num) micro-batches in flight (the first stage).
+
+Time per step = (model FLOPs of one step) / (devices * MFU * peak FLOP/s); MFU counts model FLOPs
+(6N + 12*L*h*s per token, no recomputation), as the throughput metric of the trainer does.
+"""
 
 from __future__ import annotations
 
-from ..config import Config
+from dataclasses import dataclass, field
+from typing import Optional
+
+from ..config import Config, ffn_width
 from ..model import ModelArgs, analytic_parameter_count, flops_per_token
 
-_BYTES = {"torch.float32": 4, "torch.tf32": 4, "torch.bfloat16": 2, "torch.float16": 2}
+GiB = 1024**3
+PRECISIONS = ("internlm_core", "internlm")
+DEFAULT_PEAK_TFLOPS = 989.0   # H100/H200 SXM dense bf16
+DEFAULT_MFU = 0.5
+_COMPUTE_BYTES = {"torch.float32": 4, "torch.tf32": 4, "torch.bfloat16": 2, "torch.float16": 2}
+
+
+@dataclass
+class Layout:
+    """How the devices split the work: world = dp * tp * pp; zero1 shards within dp."""
+
+    world_size: int
+    tp: int
+    pp: int
+    dp: int
+    dp_shard: int
+    num_chunks: int
+    sequence_parallel: bool
+
+    @classmethod
+    def from_config(cls, cfg: Config, world_size: int) -> "Layout":
+        p = cfg.parallel
+        dp = max(world_size // (p.tensor * p.pipeline), 1)
+        shard = dp if p.zero1 <= 0 else 1 if p.zero1 == 1 else min(p.zero1, dp)
+        return cls(world_size, p.tensor, p.pipeline, dp, shard, cfg.model.num_chunks, p.sequence_parallel)
+
+    def describe(self) -> str:
+        rep = self.dp // self.dp_shard
+        zero = (f"zero1 shard {self.dp_shard}" + (f" x replicate {rep}" if rep > 1 else "")) if self.dp_shard > 1 \
+            else "no zero1 sharding"
+        return (f"{self.world_size} device(s): data {self.dp} ({zero}), tensor {self.tp}"
+                f"{' + sequence parallel' if self.sequence_parallel else ''}, pipeline {self.pp}"
+                f"{f' x {self.num_chunks} chunks' if self.num_chunks > 1 else ''}")
+
+
+@dataclass
+class Memory:
+    """Peak bytes on the busiest device, by what holds them."""
+
+    parameters: float = 0.0
+    gradients: float = 0.0
+    optimizer: float = 0.0
+    weight_copies: float = 0.0   # 16-bit casts saved by autocast for backward
+    fsdp_gathered: float = 0.0   # unsharded parameters / gradients FSDP holds at the peak
+    activations: float = 0.0     # tensors saved for backward (all layers, in-flight micro-batches)
+    loss_peak: float = 0.0       # transient buffers of the loss backward (logits gradient)
+    stage: str = ""
+
+    ORDER = ("parameters", "gradients", "optimizer", "weight_copies", "fsdp_gathered", "activations", "loss_peak")
+    LABELS = {"parameters": "parameters", "gradients": "gradients", "optimizer": "optimizer state",
+              "weight_copies": "16-bit weight copies", "fsdp_gathered": "FSDP gathered",
+              "activations": "activations", "loss_peak": "loss backward peak"}
+
+    @property
+    def states(self) -> float:
+        return self.parameters + self.gradients + self.optimizer
+
+    @property
+    def total(self) -> float:
+        return sum(getattr(self, k) for k in self.ORDER)
+
+
+@dataclass
+class Estimate:
+    cfg: Config
+    layout: Layout
+    precision: str
+    attention: str
+    parameters: int
+    nonembedding_parameters: int
+    model_flops_per_token: float
+    hardware_flops_per_token: float
+    tokens_per_step: int
+    memory: Memory
+    mfu: float
+    peak_flops: float
+    device_memory: Optional[float] = None
+    notes: list = field(default_factory=list)
+
+    @property
+    def step_time(self) -> float:
+        return self.tokens_per_step * self.model_flops_per_token / (self.layout.world_size * self.mfu * self.peak_flops)
+
+    @property
+    def tokens_per_device_per_second(self) -> float:
+        return self.tokens_per_step / self.layout.world_size / self.step_time
+
+
+def _bytes_per_token_per_layer(a: ModelArgs, seq_len: int, comp: int, resid: int, norm_tensors: int,
+                               linear_inputs: int, mask: bool, tp: int, sp: bool) -> float:
+    h, kv, f, H = a.hidden_size, a.num_kv_heads * a.head_dim, a.ffn_width, a.num_heads
+    norm_side = 2 * (norm_tensors * resid * h + 8) + linear_inputs * comp * h
+    sharded = comp * (2 * h + 2 * kv) + 4 * H + 4 * comp * f
+    return norm_side / (tp if sp else 1) + sharded / tp + (comp * seq_len if mask else 0)
+
+
+def estimate(cfg: Config, world_size: int = 1, precision: str = "internlm_core", mfu: float = DEFAULT_MFU,
+             peak_tflops: float = DEFAULT_PEAK_TFLOPS, attention: Optional[str] = None,
+             device_memory_gib: Optional[float] = None, args: Optional[ModelArgs] = None,
+             device: str = "cuda") -> Estimate:
+    """The figures of `cfg` on `world_size` devices of type `device` ("cuda" or "cpu").
+
+    attention: "flash" (flash-attn: no mask) or "sdpa" (SDPA with a packed-document mask); default flash when
+    the config asks for flash-attn (`model.use_flash_attn` / `attn_backend`), else sdpa.
+    """
+    if precision not in PRECISIONS:
+        raise ValueError(f"precision {precision!r}: expected one of {PRECISIONS}")
+    if args is None:
+        from ..model import model_args_from_config
+        args = model_args_from_config(cfg, "cuda", quiet=True)
+    m, d = cfg.model, cfg.data
+    lay = Layout.from_config(cfg, world_size)
+    if attention is None and device == "cpu":
+        attention = "sdpa"
+    if attention is None:
+        attention = "flash" if (m.attn_backend == "flash" or (m.attn_backend == "auto" and m.use_flash_attn)) \
+            else "sdpa"
+    mask = attention == "sdpa" and not d.pack_sample_into_one
+    comp = _COMPUTE_BYTES[m.dtype]
+    h, V, L = args.hidden_size, args.vocab_size, args.num_layers
+    kv = args.num_kv_heads * args.head_dim
+    tokens_mb = d.micro_bsz * d.seq_len  # tokens of one micro-batch on one dp rank
+
+    # parameters of one layer, of the embedding, of the head (final norm + output)
+    layer_matrices = 2 * h * h + 2 * h * kv + 3 * h * args.ffn_width
+    layer_params = layer_matrices + 2 * h + ((2 * h + 2 * kv) if args.qkv_bias else 0)
+    embed = V * h
+    head = h + (0 if args.tie_word_embeddings else V * h)
+    total = analytic_parameter_count(args)
+
+    L_stage = L // lay.pp
+    frac = 1.0 if m.checkpoint is True else 0.0 if m.checkpoint is False else float(m.checkpoint)
+    n_ckpt = round(frac * L_stage)
+    in_flight = min(lay.pp, d.micro_num) if lay.pp > 1 else 1
+    if lay.pp > 1 and lay.num_chunks > 1:
+        in_flight *= 1 + (lay.pp - 1) / (lay.pp * lay.num_chunks)
+
+    autocast = precision == "internlm_core" and comp == 2
+    resid = 4 if precision == "internlm_core" else comp
+    # torch's RMSNorm keeps input and normalized output on CPU (composite), the input only on CUDA (fused kernel)
+    norm_tensors = 2 if (precision == "internlm_core" and device == "cpu") else 1
+    linear_inputs = 5 if autocast else 2
+    per_layer_tok = _bytes_per_token_per_layer(args, d.seq_len, comp, resid, norm_tensors, linear_inputs, mask,
+                                               lay.tp, lay.sequence_parallel)
+    ckpt_layer_tok = resid * h / (lay.tp if lay.sequence_parallel else 1)
+    shared_tok = 8 + 8 * args.head_dim + (d.seq_len if mask else 0)  # token ids, rotary cos/sin, bool mask
+    layers_act = (L_stage - n_ckpt) * per_layer_tok + n_ckpt * ckpt_layer_tok + (per_layer_tok if n_ckpt else 0)
+    first_stage_act = tokens_mb * in_flight * (layers_act + shared_tok)
+    # flash-attn's cross entropy (used with flash-attn) keeps no fp32 log-softmax; torch's keeps one (4V)
+    flash_ce = attention == "flash"
+    head_tok = (norm_tensors * resid * h + 8) / (lay.tp if lay.sequence_parallel else 1) + comp * h \
+        + (comp * V + (0 if flash_ce else 4 * V)) / lay.tp
+    last_stage_act = tokens_mb * (layers_act + shared_tok + head_tok)
+    loss_peak = tokens_mb * (comp if flash_ce else 8) * V / lay.tp
+
+    def stage_memory(params_here: float, act: float, with_head: bool, name: str) -> Memory:
+        mem = Memory(stage=name)
+        per_tp = params_here / lay.tp
+        if precision == "internlm_core":
+            mem.parameters = 4 * per_tp / lay.dp_shard
+            mem.gradients = 4 * per_tp / lay.dp_shard
+            mem.optimizer = 8 * per_tp / lay.dp_shard
+            if autocast:
+                copies = (L_stage - n_ckpt + (1 if n_ckpt else 0)) * layer_matrices
+                copies += (V * h) if with_head else 0
+                mem.weight_copies = 2 * copies / lay.tp
+            if lay.dp_shard > 1:
+                root = (embed if name != "last" or lay.pp == 1 else 0) + (head if with_head else 0)
+                if lay.pp > 1:  # pipeline: blocks stay gathered between micro-batches
+                    gathered = 4 * (L_stage * layer_params + root)
+                else:
+                    gathered = 4 * (2 * layer_params + root) + 4 * layer_params
+                mem.fsdp_gathered = gathered / lay.tp * (1 - 1 / lay.dp_shard)
+        else:
+            mem.parameters = 2 * per_tp
+            mem.gradients = 2 * per_tp
+            mem.optimizer = 12 * per_tp / lay.dp_shard
+        mem.activations = act
+        mem.loss_peak = loss_peak if with_head else 0.0
+        return mem
+
+    stage_layer_params = L_stage * layer_params
+    if lay.pp == 1:
+        mem = stage_memory(total, last_stage_act, True, "all")
+    else:
+        first = stage_memory(stage_layer_params + embed, first_stage_act, False, "first")
+        last = stage_memory(stage_layer_params + head, last_stage_act, True, "last")
+        mem = max((first, last), key=lambda x: x.total)
+
+    model_fpt = float(flops_per_token(args, d.seq_len))
+    n_ckpt_total = round(frac * L_stage) * lay.pp
+    hw_fpt = model_fpt + n_ckpt_total * (2 * layer_matrices + 4 * h * d.seq_len)
+    notes = []
+    if precision == "internlm_core":
+        notes.append("precision internlm_core: fp32 parameters, gradients and AdamW moments (16 B/parameter) "
+                     f"sharded over zero1 ({lay.dp_shard}); "
+                     + (f"{m.dtype.split('.')[-1]} autocast keeps 16-bit weight copies of non-recomputed layers"
+                        if autocast else "fp32 compute"))
+    else:
+        notes.append(f"precision internlm: bf16 parameters + gradients on every rank (4 B/parameter), fp32 master "
+                     f"weights + AdamW moments (12 B/parameter) sharded over zero1 ({lay.dp_shard})")
+    notes.append(f"attention {attention}" + (" with a packed-document mask per layer (a*s bytes per token)" if mask
+                                             else " (no attention matrix kept)"))
+    if n_ckpt:
+        notes.append(f"activation checkpointing: {n_ckpt} of {L_stage} layers per stage keep only their input")
+    if lay.pp > 1:
+        notes.append(f"pipeline: busiest stage '{mem.stage}', {in_flight:g} micro-batch(es) in flight on the first")
+    return Estimate(cfg=cfg, layout=lay, precision=precision, attention=attention, parameters=total,
+                    nonembedding_parameters=total - embed, model_flops_per_token=model_fpt,
+                    hardware_flops_per_token=hw_fpt, tokens_per_step=tokens_mb * d.micro_num * lay.dp,
+                    memory=mem, mfu=mfu, peak_flops=peak_tflops * 1e12,
+                    device_memory=device_memory_gib * GiB if device_memory_gib else None, notes=notes)
+
+
+def format_estimate(e: Estimate, other: Optional[Estimate] = None) -> str:
+    """The human-readable report; `other` (the other precision) adds a one-line comparison."""
+    cfg, lay, mem = e.cfg, e.layout, e.memory
+    d = cfg.data
+    lines = [
+        f"model {cfg.model_type}: {e.parameters:,} parameters ({e.parameters / 1e9:.3f} B; "
+        f"{e.nonembedding_parameters / 1e9:.3f} B without the input embedding)",
+        f"FLOPs per token: {e.model_flops_per_token / 1e9:.2f} GFLOP model (6N + 12*L*h*s, s={d.seq_len})"
+        + (f", {e.hardware_flops_per_token / 1e9:.2f} GFLOP with recomputation"
+           if e.hardware_flops_per_token != e.model_flops_per_token else ""),
+        f"layout: {lay.describe()}",
+        f"batch: micro_bsz {d.micro_bsz} x seq_len {d.seq_len} x micro_num {d.micro_num} x dp {lay.dp} = "
+        f"{e.tokens_per_step:,} tokens per step",
+        f"memory per device ({cfg.model.dtype.split('.')[-1]}, precision {e.precision}"
+        + (f", stage {mem.stage}" if lay.pp > 1 else "") + "):",
+    ]
+    for k in Memory.ORDER:
+        v = getattr(mem, k)
+        if v or k in ("parameters", "gradients", "optimizer", "activations"):
+            lines.append(f"  {Memory.LABELS[k]:<22} {v / GiB:9.2f} GiB")
+    fits = ""
+    if e.device_memory:
+        fits = (f"  (fits in {e.device_memory / GiB:g} GiB)" if mem.total <= e.device_memory
+                else f"  (does NOT fit in {e.device_memory / GiB:g} GiB)")
+    lines.append(f"  {'total (peak)':<22} {mem.total / GiB:9.2f} GiB{fits}")
+    if other is not None:
+        lines.append(f"  (precision {other.precision}: {other.memory.total / GiB:.2f} GiB; states "
+                     f"{other.memory.states / GiB:.2f} GiB)")
+    lines.append(f"time per step at MFU {e.mfu:.0%} of {e.peak_flops / 1e12:g} TFLOP/s: {e.step_time:.2f} s "
+                 f"({e.tokens_per_device_per_second:,.0f} tokens per device per second)")
+    lines += [f"note: {n}" for n in e.notes]
+    return "\n".join(lines)
 
 
 def memory_per_device(cfg: Config, args: ModelArgs, world_size: int = 1) -> dict[str, float]:
-    """Bytes per device for parameters, gradients and optimizer state under the config's layout.
-
-    Parameters and gradients are fp32 master copies (compute casts to `model.dtype`); AdamW keeps two
-    fp32 moments. Sharding divides them by tensor * pipeline * the zero1 shard size.
-    """
-    p = cfg.parallel
-    dp = max(world_size // (p.tensor * p.pipeline), 1)
-    shard = dp if p.zero1 <= 0 else min(p.zero1, dp)
-    n = analytic_parameter_count(args) / (p.tensor * p.pipeline * shard)
-    return {"parameters": 4 * n, "gradients": 4 * n, "optimizer": 8 * n}
+    """Bytes per device for parameters, gradients and optimizer state (this code base's precision)."""
+    mem = estimate(cfg, world_size, args=args).memory
+    return {"parameters": mem.parameters, "gradients": mem.gradients, "optimizer": mem.optimizer}
 
 
 def describe(cfg: Config, args: ModelArgs, world_size: int = 1) -> str:
-    """Human-readable summary: parameter count, FLOPs per token, memory per device."""
-    n = analytic_parameter_count(args)
-    mem = memory_per_device(cfg, args, world_size)
-    gib = 1024**3
-    lines = [f"model {cfg.model_type}: {n:,} parameters ({n / 1e9:.3f} B)",
-             f"FLOPs per token (6N + 12*L*h*s): {flops_per_token(args, cfg.data.seq_len) / 1e9:.2f} GFLOP",
-             f"memory per device on {world_size} device(s), before activations:"]
-    lines += [f"  {k:<11} {v / gib:8.2f} GiB" for k, v in mem.items()]
-    lines.append(f"  {'total':<11} {sum(mem.values()) / gib:8.2f} GiB")
-    return "\n".join(lines)
+    """Human-readable summary for `train.py --dry-run`: size, FLOPs per token, memory per device, step time."""
+    return format_estimate(estimate(cfg, world_size, args=args))

@@ -1,0 +1,89 @@
+"""Parameters, FLOPs per token, memory per device and time per step of a config on N GPUs, without running it.
+
+    python tools/estimate.py --config configs/7B.py --gpus 64 --set parallel.zero1=8
+    python tools/estimate.py --config configs/7B.py --gpus 8 --set model.checkpoint=True data.micro_bsz=8
+    python tools/estimate.py --config configs/7B.py --gpus 8 --precision internlm --peak-tflops 312 --mfu 0.58
+
+Memory is the peak on the busiest device: parameters, gradients and optimizer state under the layout
+(tensor / pipeline / zero1 sharding), 16-bit weight copies kept by autocast, what FSDP holds gathered, the
+activations of micro_bsz x seq_len tokens (activation checkpointing, pipeline micro-batches in flight) and
+the loss's backward. `--precision internlm_core` (default) counts this code base (fp32 parameters + autocast);
+`--precision internlm` counts InternLM's bf16 parameters with fp32 master weights (hybrid ZeRO-1). The time
+per step is the model FLOPs of one step at the stated MFU of the stated peak. See
+internlm_core/utils/estimate.py for every term.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from internlm_core.errors import InternLMCoreError  # noqa: E402
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    from internlm_core.utils.estimate import DEFAULT_MFU, DEFAULT_PEAK_TFLOPS, PRECISIONS
+
+    p = argparse.ArgumentParser(description="Estimate parameters, FLOPs, memory per device and step time of a config.")
+    p.add_argument("--config", required=True, help="Python (.py) or YAML config file")
+    p.add_argument("--gpus", type=int, default=1, help="number of devices (world size), default 1")
+    p.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE",
+                   help="override config keys, e.g. parallel.zero1=8 data.micro_bsz=4 model.checkpoint=True")
+    p.add_argument("--precision", choices=PRECISIONS, default="internlm_core",
+                   help="internlm_core: fp32 parameters/gradients/AdamW sharded by FSDP + autocast (this code base); "
+                        "internlm: bf16 parameters and gradients, fp32 master + AdamW sharded over zero1 (InternLM)")
+    p.add_argument("--mfu", type=float, default=DEFAULT_MFU,
+                   help=f"model FLOPs utilization assumed for the step time (default {DEFAULT_MFU})")
+    p.add_argument("--peak-tflops", type=float, default=DEFAULT_PEAK_TFLOPS,
+                   help=f"peak TFLOP/s of one device for the compute dtype (default {DEFAULT_PEAK_TFLOPS:g}: "
+                        f"H100/H200 dense bf16; A100: 312)")
+    p.add_argument("--gpu-memory-gib", type=float, default=80.0,
+                   help="device memory to check the total against (default 80; 0: no check)")
+    p.add_argument("--attention", choices=["flash", "sdpa"], default=None,
+                   help="attention kernel (default: flash when the config uses flash-attn, else sdpa with masks)")
+    p.add_argument("--json", action="store_true", help="print the figures as JSON instead of text")
+    return p.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    from internlm_core.config import load_config
+    from internlm_core.errors import ConfigError
+    from internlm_core.utils.estimate import GiB, Memory, estimate, format_estimate
+
+    if args.gpus < 1:
+        raise ConfigError(f"--gpus: expected a positive number of devices, got {args.gpus}")
+    if not 0 < args.mfu <= 1:
+        raise ConfigError(f"--mfu: expected a fraction in (0, 1], got {args.mfu}")
+    cfg = load_config(args.config, args.set, world_size=args.gpus)
+    kw = dict(mfu=args.mfu, peak_tflops=args.peak_tflops, attention=args.attention,
+              device_memory_gib=args.gpu_memory_gib or None)
+    e = estimate(cfg, args.gpus, precision=args.precision, **kw)
+    other = estimate(cfg, args.gpus, precision="internlm" if args.precision == "internlm_core" else "internlm_core",
+                     **kw)
+    if args.json:
+        mem = {k: getattr(e.memory, k) / GiB for k in Memory.ORDER}
+        mem["total"] = e.memory.total / GiB
+        print(json.dumps({
+            "config": args.config, "gpus": args.gpus, "layout": e.layout.describe(), "precision": e.precision,
+            "parameters": e.parameters, "model_flops_per_token": e.model_flops_per_token,
+            "hardware_flops_per_token": e.hardware_flops_per_token, "tokens_per_step": e.tokens_per_step,
+            "memory_gib": mem, "step_time_s": e.step_time, "tokens_per_device_per_second":
+                e.tokens_per_device_per_second, "mfu": e.mfu, "peak_tflops": args.peak_tflops,
+            "notes": e.notes}, indent=2))
+        return 0
+    print(f"{args.config} on {args.gpus} device(s)")
+    print(format_estimate(e, other))
+    return 0
+
+
+if __name__ == "__main__":
+    try:
+        sys.exit(main())
+    except InternLMCoreError as e:  # a user error: the message says what to fix
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
