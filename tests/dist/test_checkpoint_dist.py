@@ -1,6 +1,6 @@
 """Checkpoints under torchrun (gloo, 2 processes): SIGKILL and auto-resume bitwise with 2 data-parallel ranks; a
-checkpoint saved by 2 processes (FSDP-sharded) loads on 1 and one saved by 1 loads on 2, with identical weights
-and optimizer state.
+checkpoint saved by 2 processes (FSDP-sharded, or tensor parallel) loads on 1 and one saved by 1 loads on 2, with
+identical weights and optimizer state.
 
 Run as a script (`python -m torch.distributed.run ... tests/dist/test_checkpoint_dist.py OUT --config ...`) this file
 is the driver of the resharding test: it builds the trainer as train.py does (which loads the checkpoint), writes the
@@ -60,7 +60,7 @@ def test_two_ranks_sigkill_then_auto_resume_is_bitwise(tmp_path):
 def driver_args(run: Path, ckpt: Path, steps: int, *extra: str) -> list[str]:
     return ["--config", "configs/tiny.py", "--run-dir", str(run), "--set", f"data.total_steps={steps}",
             "data.valid_every=0", "monitor.tensorboard=False", "ckpt.enable_save_ckpt=True",
-            f"ckpt.save_ckpt_folder={ckpt}", "ckpt.checkpoint_every=1000", "parallel.zero1=-1", *extra]
+            f"ckpt.save_ckpt_folder={ckpt}", "ckpt.checkpoint_every=1000", *extra]
 
 
 def run_driver(out: Path, args: list[str], nproc: int):
@@ -80,9 +80,13 @@ def assert_same_state(a: dict, b: dict) -> None:
     assert a["data"]["rows_consumed"] == b["data"]["rows_consumed"]
 
 
-@pytest.mark.parametrize("save_procs,load_procs", [(2, 1), (1, 2)])
-def test_checkpoint_loads_on_another_number_of_processes(tmp_path, save_procs, load_procs):
-    saved = run_driver(tmp_path / "saved", driver_args(tmp_path / "run_a", tmp_path / "a", 6), save_procs)
+@pytest.mark.parametrize("save_procs,save_layout,load_procs", [
+    (2, "parallel.zero1=-1", 1),   # FSDP-sharded over 2 data-parallel ranks → one process
+    (1, "parallel.zero1=-1", 2),   # one process → FSDP over 2
+    (2, "parallel.tensor=2", 1),   # tensor parallel 2 (one data-parallel rank) → one process
+])
+def test_checkpoint_loads_on_another_layout(tmp_path, save_procs, save_layout, load_procs):
+    saved = run_driver(tmp_path / "saved", driver_args(tmp_path / "run_a", tmp_path / "a", 6, save_layout), save_procs)
     assert saved.returncode == 0
     info = f"ckpt.load_ckpt_info={{'path': '{tmp_path / 'a/6'}', 'content': ('all',)}}"
     p = run_driver(tmp_path / "loaded", driver_args(tmp_path / "run_b", tmp_path / "b", 8, info), load_procs)
@@ -90,7 +94,8 @@ def test_checkpoint_loads_on_another_number_of_processes(tmp_path, save_procs, l
     a = torch.load(tmp_path / "saved.trained.pt", weights_only=True)
     b = torch.load(tmp_path / "loaded.loaded.pt", weights_only=True)
     assert_same_state(a, b)
-    assert b["state"]["batch_count"] == 6 and b["data"]["rows_consumed"] == 6 * 2 * save_procs  # rows of all ranks
+    dp_saved = save_procs if "zero1" in save_layout else 1
+    assert b["state"]["batch_count"] == 6 and b["data"]["rows_consumed"] == 6 * 2 * dp_saved  # rows of all dp ranks
     assert [r["step"] for r in read_metrics(tmp_path / "run_b")] == [7, 8]  # and training goes on from there
 
 
