@@ -76,9 +76,9 @@ RESUME_NOTES = {
         "train_state": "exact: step counts and consumed tokens are global (num_consumed_samples_in_epoch is per "
                        "data-parallel rank and is taken from the rank chosen below)",
         "data": "each data-parallel rank d takes the loader state saved by rank d (rank d mod the saved dp size when "
-                "there are more ranks now). internlm_core's TrainLoader counts rows consumed by all ranks together, "
-                "so no row is skipped or repeated; rows are grouped into steps differently when dp * micro_num "
-                "changes, so the batches of a step are not the same",
+                "there are more ranks now). internlm_core's TrainLoader counts rows consumed by all ranks together "
+                "(data_state shows whether every dp rank agreed), so no row is skipped or repeated; rows are "
+                "grouped into steps differently when dp * micro_num changes, so the batches of a step differ",
         "rng": "not exact: rank r gets the streams saved by rank r (rank r mod the saved world size when there are "
                "more ranks now)",
         "loss": "not bitwise: gradient reductions run in another order",
@@ -354,14 +354,24 @@ class CheckpointManager:
                 state[e.name] = {f"rank{self.rank}": sd}
         return state
 
-    def _meta(self, step: int, kind: str, reason: str, name: str) -> dict:
-        summary: dict[str, Any] = {}
-        for e in self._entries.values():
-            if e.scope == "global" or (e.scope == "dp_rank" and self.dp_rank == 0):
-                try:
-                    summary[e.name] = json.loads(json.dumps(e.obj.state_dict(), default=str))
-                except (TypeError, ValueError):
-                    pass
+    def _per_dp_rank(self) -> dict[str, dict[str, Any]]:
+        """{entry: {"dp0": state, "dp1": ...}} of every dp_rank-scoped entry, gathered to every rank (small)."""
+        mine = {e.name: _jsonable(e.obj.state_dict()) for e in self._entries.values() if e.scope == "dp_rank"}
+        if not mine:
+            return {}
+        out: dict[str, dict[str, Any]] = {name: {} for name in mine}
+        for dp_rank, states in self._all_gather((self.dp_rank, mine)):
+            for name, sd in states.items():
+                out[name][f"dp{dp_rank}"] = sd
+        return out
+
+    def _meta(self, step: int, kind: str, reason: str, name: str, per_dp: dict) -> dict:
+        summary: dict[str, Any] = {e.name: _jsonable(e.obj.state_dict()) for e in self._entries.values()
+                                   if e.scope == "global"}
+        data: dict[str, Any] = {}
+        for entry, states in per_dp.items():
+            values = list(states.values())
+            data[entry] = {"per_dp_rank": states, "dp_ranks_agree": all(v == values[0] for v in values)}
         ts = summary.get("train_state", {})
         contents: dict[str, list[str]] = {c: [] for c in CONTENTS}
         contents["model"].append("model")
@@ -374,7 +384,7 @@ class CheckpointManager:
             "reason": reason, "time": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
             "num_consumed_tokens": ts.get("num_consumed_tokens"), "step_count": ts.get("step_count"),
             "layout": self.layout(), "versions": library_versions(), "contents": contents,
-            "state": summary, "resume": RESUME_NOTES, "config": self.config_text,
+            "state": summary, "data_state": data, "resume": RESUME_NOTES, "config": self.config_text,
         }
 
     # ---- saving ----------------------------------------------------------------------------------------------------
@@ -435,7 +445,8 @@ class CheckpointManager:
         write_dir = self._write_dir(name)
         self._prepare(write_dir, name)
         state = self._collect()
-        meta = self._meta(step, kind, reason, name) if self.rank == 0 else None
+        per_dp = self._per_dp_rank()
+        meta = self._meta(step, kind, reason, name, per_dp) if self.rank == 0 else None
         writer = InterruptibleWriter(write_dir, step)
         self.last_saved_step = step
         if self.async_save:
@@ -890,6 +901,11 @@ def _unwrap(e: BaseException) -> BaseException:
 
 def _describe(e: BaseException) -> str:
     return str(e) if isinstance(e, CheckpointError) else f"{type(e).__name__}: {e}"
+
+
+def _jsonable(value: Any) -> Any:
+    """A state dict as JSON can hold it (tensors and other objects as their text)."""
+    return json.loads(json.dumps(value, default=str))
 
 
 def _shape(shape: tuple) -> str:

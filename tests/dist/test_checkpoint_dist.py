@@ -9,7 +9,7 @@ full (gathered) model and optimizer state right after loading and again after tr
 
 from __future__ import annotations
 
-import signal
+import json
 import sys
 from pathlib import Path
 
@@ -45,6 +45,10 @@ def test_two_ranks_sigkill_then_auto_resume_is_bitwise(tmp_path):
     p = run_train(train_args(tmp_path / "killed", ckpt), nproc=2, extra_env={FAULT_ENV: "kill_after_commit@10"})
     assert p.returncode != 0 and "Signal 9 (SIGKILL)" in p.stdout + p.stderr, output(p)
     assert sorted((ckpt / "10").glob("__*_0.distcp")) == [ckpt / "10/__0_0.distcp", ckpt / "10/__1_0.distcp"]
+    meta = json.loads((ckpt / "10/meta.json").read_text())  # each data-parallel rank's loader state, recorded
+    assert meta["layout"]["dp"] == 2 and meta["data_state"]["data"]["dp_ranks_agree"] is True
+    assert {k: v["rows_consumed"] for k, v in meta["data_state"]["data"]["per_dp_rank"].items()} == \
+        {"dp0": 10 * 2 * 2, "dp1": 10 * 2 * 2}
 
     q = run_train(train_args(tmp_path / "resumed", ckpt), nproc=2)
     assert q.returncode == 0, output(q)

@@ -280,6 +280,9 @@ def test_meta_json_records_layout_contents_and_config(tmp_path):
                                                                  "rng (one per rank)"],
                                 "optimizer": ["optimizer"], "scheduler": ["lr_scheduler", "beta2_scheduler"]}
     assert "other_layout" in meta["resume"] and "hidden_size: 128" in meta["config"]
+    assert meta["state"]["train_state"]["batch_count"] == 2 and meta["state"]["lr_scheduler"]["last_step"] == 2
+    assert meta["data_state"]["data"]["dp_ranks_agree"] is True
+    assert meta["data_state"]["data"]["per_dp_rank"]["dp0"]["rows_consumed"] == 4
     assert (tmp_path / "ckpt/2/config.yaml").read_text() == meta["config"]
     keys = read_dcp_metadata(tmp_path / "ckpt/2").state_dict_metadata
     assert "data.dp0.rows_consumed" in keys and "rng.rank0.torch_cpu" in keys and "train_state.batch_count" in keys
@@ -295,3 +298,16 @@ def test_register_rejects_bad_entries():
         m.register("y", object(), content="sampler")
     m.register("z", None, content="sampler")  # an absent component (no grad scaler) is skipped
     assert m.registered == {}
+
+
+@pytest.mark.parametrize("request_value,stop_at,saved", [(5, 5, ["5"]), (-3, 6, ["3", "6"])])
+def test_stop_file_requests_are_saved(tmp_path, request_value, stop_at, saved):
+    """InternLM's stop file through the StopController: N > 0 saves at N and stops, N < 0 saves at |N| and goes on
+    (then the end-of-training save)."""
+    stop = tmp_path / "stop"
+    t = build(tmp_path, "a", 6, f"ckpt.stop_file_path={stop}")
+    stop.write_text(str(request_value))  # after start-up, which resets the file to 0
+    t.train()
+    assert t.state.batch_count == stop_at
+    assert [r.name for r in find_complete_checkpoints(LocalDestination(tmp_path / "ckpt"))] == saved
+    assert t.checkpoint_manager.results[0].reason == f"stop file {stop}: {request_value}"
