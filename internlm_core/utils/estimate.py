@@ -43,7 +43,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Optional
 
-from ..config import Config, ffn_width
+from ..config import Config
 from ..model import ModelArgs, analytic_parameter_count, flops_per_token
 
 GiB = 1024**3
