@@ -29,7 +29,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description="Export an internlm-core checkpoint as a Hugging Face Llama folder.")
     p.add_argument("ckpt_dir", metavar="CKPT_DIR",
                    help="a checkpoint folder written by train.py (e.g. llm_ckpts/200), or the save_ckpt_folder "
-                        "(its newest complete checkpoint is taken)")
+                        "(its newest complete checkpoint is taken); local or s3://bucket/prefix")
     p.add_argument("out_dir", metavar="OUT_DIR", help="the Hugging Face folder to write (created if needed)")
     p.add_argument("--config", default=None,
                    help="config of the run (default: the one recorded in the checkpoint)")
@@ -52,12 +52,14 @@ def main(argv=None) -> int:
 
     cfg = load_config(args.config, args.set) if args.config else None
     if cfg is None and args.set:
-        from internlm_core.checkpoint.hf import find_checkpoint_config, resolve_checkpoint
+        from internlm_core.checkpoint.hf import find_checkpoint_config, local_checkpoint
         from internlm_core.config import build_config, config_to_dict
         from internlm_core.config.loader import apply_overrides, parse_overrides
 
-        folder, _ = resolve_checkpoint(args.ckpt_dir, args.allow_incomplete)
-        raw = config_to_dict(find_checkpoint_config(folder))
+        if "://" in args.ckpt_dir:
+            raise InternLMCoreError("--set with an s3:// checkpoint: pass --config with the run's config instead")
+        with local_checkpoint(args.ckpt_dir, args.allow_incomplete) as (folder, _):
+            raw = config_to_dict(find_checkpoint_config(folder))
         cfg = build_config(apply_overrides(raw, parse_overrides(args.set)), source=f"{args.ckpt_dir} config")
     tokenizer = None if args.tokenizer == "none" else args.tokenizer
     t0 = time.perf_counter()

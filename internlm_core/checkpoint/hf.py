@@ -29,14 +29,16 @@ safetensors shard at a time, so peak memory is about one shard, not the whole mo
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
 import shutil
+import tempfile
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterable, Mapping, Optional
+from typing import Any, Callable, Iterable, Iterator, Mapping, Optional
 
 import torch
 
@@ -651,7 +653,7 @@ _MARKER_KEY = "layers.0.attention.wq.weight"
 
 
 def resolve_checkpoint(path: str | os.PathLike, allow_incomplete: bool = False) -> tuple[Path, str]:
-    """The checkpoint folder to read and a line saying which it is.
+    """The local checkpoint folder to read and a line saying which it is.
 
     `path` is one checkpoint (it holds the COMPLETE marker) or a `save_ckpt_folder` (its newest complete
     checkpoint, snapshots included, is taken). A folder with DCP shards but no marker was interrupted while
@@ -681,6 +683,41 @@ def resolve_checkpoint(path: str | os.PathLike, allow_incomplete: bool = False) 
                               f"with a COMPLETE marker, or a save_ckpt_folder holding such folders)")
     folder = dest.path(ref.name)
     return folder, f"newest complete checkpoint under {root}: step {ref.step} ({ref.kind}): {folder}"
+
+
+@contextlib.contextmanager
+def local_checkpoint(path: str | os.PathLike, allow_incomplete: bool = False,
+                     download_dir: Optional[str | os.PathLike] = None) -> Iterator[tuple[Path, str]]:
+    """`resolve_checkpoint` for a local path; for `s3://bucket/prefix` (one checkpoint, or a save folder: its
+    newest complete one) the checkpoint's files are downloaded into `download_dir` (default a temporary folder,
+    removed afterwards). boto3 takes the endpoint and credentials from the environment, as for training."""
+    from .manager import latest_checkpoint
+    from .storage import parse_destination
+
+    text = str(path)
+    if "://" not in text:
+        yield resolve_checkpoint(text, allow_incomplete)
+        return
+    dest = parse_destination(text)
+    marker = dest.read_marker("")
+    if marker is not None:
+        name, step = "", marker["step"]
+    else:
+        ref = latest_checkpoint(dest)
+        if ref is None:
+            raise CheckpointError(f"{text}: no complete checkpoint there (a COMPLETE marker is written last)")
+        name, marker, step = ref.name, ref.marker, ref.step
+    problem = dest.verify(name, marker)
+    if problem:
+        raise CheckpointError(f"checkpoint {dest.child(name)} is damaged: {problem}")
+    tmp = None if download_dir is not None else tempfile.mkdtemp(prefix="convert2hf-")
+    local = Path(download_dir if download_dir is not None else tmp)
+    try:
+        dest.download(name, marker.get("files", {}), local)
+        yield local, f"checkpoint of step {step}: {dest.child(name)} (downloaded to {local})"
+    finally:
+        if tmp is not None:
+            shutil.rmtree(tmp, ignore_errors=True)
 
 
 def find_dcp_model(folder: str | os.PathLike) -> DCPModel:
@@ -745,13 +782,14 @@ def export_checkpoint(ckpt_dir: str | os.PathLike, out_dir: str | os.PathLike, c
                       dtype: Optional[str] = None, max_shard_size: str | int = "5GB",
                       tokenizer: Optional[str] = "config", allow_incomplete: bool = False,
                       progress: Optional[Callable[[str], None]] = None) -> list[Path]:
-    """Convert an internlm-core checkpoint (any layout) into a Hugging Face Llama folder."""
-    folder, which = resolve_checkpoint(ckpt_dir, allow_incomplete)
-    model = find_dcp_model(folder)
-    cfg = cfg if cfg is not None else find_checkpoint_config(folder)
-    if progress is not None:
-        progress(which)
-        progress(f"model state: key prefix {model.prefix!r}, {len(model.tensors)} tensors; "
-                 f"{cfg.model_type} -> LlamaForCausalLM")
-    return export_hf(out_dir, cfg, model.load, dtype=dtype, max_shard_size=max_shard_size, tokenizer=tokenizer,
-                     progress=progress)
+    """Convert an internlm-core checkpoint (any layout; a local folder or s3://) into a Hugging Face Llama folder."""
+    with local_checkpoint(ckpt_dir, allow_incomplete) as (folder, which):
+        if progress is not None:
+            progress(which)
+        model = find_dcp_model(folder)
+        cfg = cfg if cfg is not None else find_checkpoint_config(folder)
+        if progress is not None:
+            progress(f"model state: key prefix {model.prefix!r}, {len(model.tensors)} tensors; "
+                     f"{cfg.model_type} -> LlamaForCausalLM")
+        return export_hf(out_dir, cfg, model.load, dtype=dtype, max_shard_size=max_shard_size, tokenizer=tokenizer,
+                         progress=progress)

@@ -204,3 +204,47 @@ def test_train_py_imports_hf_llama_under_fsdp(tmp_path):
     assert exported.keys() == original.keys()
     for name, t in original.items():
         assert torch.equal(exported[name], t), name
+
+
+def test_export_from_s3(tmp_path, monkeypatch):
+    """train.py saves to s3:// (moto on loopback); convert2hf reads the newest checkpoint from there."""
+    moto_server = pytest.importorskip("moto.server")
+    boto3 = pytest.importorskip("boto3")
+    from internlm_core.checkpoint import CheckpointManager
+    from internlm_core.config import load_config
+    from internlm_core.model import build_model
+    from tests.helpers.launch import run_train
+
+    server = moto_server.ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+    server.start()
+    try:
+        host, port = server.get_host_and_port()
+        aws = {"AWS_ENDPOINT_URL": f"http://{host}:{port}", "AWS_ACCESS_KEY_ID": "testing",
+               "AWS_SECRET_ACCESS_KEY": "testing-secret", "AWS_DEFAULT_REGION": "us-east-1"}
+        for k, v in aws.items():
+            monkeypatch.setenv(k, v)
+        boto3.client("s3").create_bucket(Bucket="ckpts")
+        sets = ["data.total_steps=2", "data.valid_every=0", "ckpt.enable_save_ckpt=True", "ckpt.checkpoint_every=2",
+                "ckpt.save_ckpt_folder=s3://ckpts/runs/tiny", f"ckpt.async_upload_tmp_folder={tmp_path / 'stage'}",
+                "model_type=LLAMA", "model.num_kv_attention_heads=2", "tokenizer=byte", "model.vocab_size=300"]
+        p = run_train(["--config", "configs/tiny.py", "--run-dir", str(tmp_path / "run"), "--set", *sets],
+                      extra_env=aws)
+        assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+        out = tmp_path / "hf"
+        p = subprocess.run([sys.executable, "tools/convert2hf.py", "s3://ckpts/runs/tiny", str(out)],
+                           cwd=ROOT, env={**env(), **aws}, capture_output=True, text=True, timeout=300)
+        assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+        assert "checkpoint of step 2: s3://ckpts/runs/tiny/2 (downloaded to " in p.stdout
+
+        cfg = load_config("configs/tiny.py", sets)
+        ours = build_model(cfg)
+        mgr = CheckpointManager(cfg.ckpt)
+        mgr.register_model(ours)
+        mgr.load("s3://ckpts/runs/tiny", ("model",))
+        hf = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+        ids = torch.randint(0, 300, (1, 64), generator=torch.Generator().manual_seed(6))
+        ours.eval()
+        with torch.no_grad():
+            assert (ours(ids) - hf(ids).logits).abs().max().item() <= 1e-4
+    finally:
+        server.stop()
