@@ -69,7 +69,12 @@ def rotary_tables(head_dim: int, max_seqlen: int, base: float) -> tuple[torch.Te
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x [B, T, H, D]; cos/sin [B, T, 1, D] gathered at each token's position in its document."""
+    """x [B, T, H, D]; cos/sin [B, T, 1, D] gathered at each token's position in its document.
+
+    The fp32 tables are cast to x's dtype (as HF Llama does), so that bf16 q/k stay bf16 under
+    autocast: flash-attn accepts only 16-bit inputs, and SDPA would otherwise copy them back.
+    """
+    cos, sin = cos.to(x.dtype), sin.to(x.dtype)
     x1, x2 = x.chunk(2, dim=-1)
     return x * cos + torch.cat((-x2, x1), dim=-1) * sin
 
