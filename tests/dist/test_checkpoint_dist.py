@@ -84,23 +84,29 @@ def assert_same_state(a: dict, b: dict) -> None:
     assert a["data"]["rows_consumed"] == b["data"]["rows_consumed"]
 
 
-@pytest.mark.parametrize("save_procs,save_layout,load_procs", [
-    (2, "parallel.zero1=-1", 1),   # FSDP-sharded over 2 data-parallel ranks → one process
-    (1, "parallel.zero1=-1", 2),   # one process → FSDP over 2
-    (2, "parallel.tensor=2", 1),   # tensor parallel 2 (one data-parallel rank) → one process
-])
-def test_checkpoint_loads_on_another_layout(tmp_path, save_procs, save_layout, load_procs):
-    saved = run_driver(tmp_path / "saved", driver_args(tmp_path / "run_a", tmp_path / "a", 6, save_layout), save_procs)
-    assert saved.returncode == 0
-    info = f"ckpt.load_ckpt_info={{'path': '{tmp_path / 'a/6'}', 'content': ('all',)}}"
-    p = run_driver(tmp_path / "loaded", driver_args(tmp_path / "run_b", tmp_path / "b", 8, info), load_procs)
+def test_checkpoint_loads_on_another_layout(tmp_path):
+    """Tensor parallel 2 → one process → FSDP over 2 data-parallel ranks, each load checked against the state that
+    was saved, each run then training on from the step it loaded."""
+    def info(path: Path) -> str:
+        return f"ckpt.load_ckpt_info={{'path': '{path}', 'content': ('all',)}}"
+
+    run_driver(tmp_path / "a", driver_args(tmp_path / "run_a", tmp_path / "ckpt_a", 6, "parallel.tensor=2"), 2)
+    p = run_driver(tmp_path / "b", driver_args(tmp_path / "run_b", tmp_path / "ckpt_b", 8, info(tmp_path / "ckpt_a/6")), 1)
     assert "layout changed from" in p.stdout
-    a = torch.load(tmp_path / "saved.trained.pt", weights_only=True)
-    b = torch.load(tmp_path / "loaded.loaded.pt", weights_only=True)
-    assert_same_state(a, b)
-    dp_saved = save_procs if "zero1" in save_layout else 1
-    assert b["state"]["batch_count"] == 6 and b["data"]["rows_consumed"] == 6 * 2 * dp_saved  # rows of all dp ranks
-    assert [r["step"] for r in read_metrics(tmp_path / "run_b")] == [7, 8]  # and training goes on from there
+    q = run_driver(tmp_path / "c", driver_args(tmp_path / "run_c", tmp_path / "ckpt_c", 10, "parallel.zero1=-1",
+                                               info(tmp_path / "ckpt_b/8")), 2)
+    assert "layout changed from" in q.stdout
+
+    def state(name: str) -> dict:
+        return torch.load(tmp_path / f"{name}.pt", weights_only=True)
+
+    assert_same_state(state("a.trained"), state("b.loaded"))  # saved by 2 (TP), loaded on 1
+    assert_same_state(state("b.trained"), state("c.loaded"))  # saved by 1, loaded on 2 (FSDP)
+    assert state("b.loaded")["data"]["rows_consumed"] == 6 * 2  # TP 2 is one data-parallel rank
+    assert state("c.loaded")["data"]["rows_consumed"] == 6 * 2 + 2 * 2
+    assert [r["step"] for r in read_metrics(tmp_path / "run_b")] == [7, 8]
+    assert [r["step"] for r in read_metrics(tmp_path / "run_c")] == [9, 10]
+    assert state("c.trained")["data"]["rows_consumed"] == 6 * 2 + 2 * 2 + 2 * 2 * 2
 
 
 def _dump(trainer, path: str, rank: int) -> None:
