@@ -19,6 +19,13 @@ from .tensor_parallel import ReplicateParallel, apply_tensor_parallel
 logger = get_logger(__name__)
 
 
+def _copy_output(module: nn.Module, inputs: tuple, output: torch.Tensor) -> torch.Tensor:
+    # torch 2.13: when the vocabulary-parallel embedding's output (a view made by DTensor.to_local) is the
+    # input of a compiled block, backward fails ("'Tensor' object has no attribute '_local_tensor'");
+    # a copy of it (one [B, T, hidden] activation) does not
+    return output.clone()
+
+
 def parallelize_model(model: nn.Module, cfg: Config, dims: ParallelDims, device: Optional[torch.device] = None
                       ) -> tuple[nn.Module, Optional[PipelineParallel]]:
     """Parallelize `model` in place according to `cfg.parallel` and `dims`.
@@ -40,8 +47,13 @@ def parallelize_model(model: nn.Module, cfg: Config, dims: ParallelDims, device:
     if n:
         logger.info(f"activation checkpointing on {n} of {len(model.layers)} layers")
     if cfg.model.compile:
+        if dims.tp > 1 and model.tok_embeddings is not None:
+            model.tok_embeddings.register_forward_hook(_copy_output)
         for layer in model.layers.values():
-            layer.compile()
+            if layer.use_checkpoint:  # compile inside the recomputed function, not checkpointing inside a graph
+                layer._forward = torch.compile(layer._forward)
+            else:
+                layer.compile()
     if dims.dp > 1:
         apply_fsdp(model, dims, roots=chunks, reshard_after_forward=dims.pp == 1)
     pipeline = None

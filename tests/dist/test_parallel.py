@@ -40,7 +40,7 @@ LAYOUTS = {
     "zero2": (2, "INTERNLM2", ["parallel.zero1=-1", "data.micro_num=2"]),
     "tp2": (2, "INTERNLM", ["parallel.tensor=2", "data.micro_num=4"]),
     "tp2_sp": (2, "INTERNLM2", ["parallel.tensor=2", "parallel.sequence_parallel=True", "data.micro_num=4",
-                                "model.checkpoint=True"]),
+                                "model.checkpoint=True", "model.compile=True"]),  # TP -> AC -> compile
     "pp2": (2, "INTERNLM2", ["parallel.pipeline=2", "data.micro_num=4"]),
     "pp2_interleaved": (2, "INTERNLM", ["parallel.pipeline=2", "model.num_chunks=2", "data.micro_num=4",
                                         "model.checkpoint=0.5"]),
