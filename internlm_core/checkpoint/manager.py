@@ -30,6 +30,7 @@ import getpass
 import hashlib
 import importlib
 import json
+import os
 import platform
 import re
 import shutil
@@ -401,7 +402,8 @@ class CheckpointManager:
         return None
 
     def _snapshot_slot(self) -> str:
-        """The slot not holding the newest complete snapshot; then the two alternate."""
+        """The slot not holding the newest complete snapshot: at first read from the markers, then the other slot
+        after each complete snapshot (a failed one is retried in the same slot, never over the good one)."""
         if self._next_slot is None:
             slot: Any = 0
             if self.rank == 0:
@@ -414,9 +416,7 @@ class CheckpointManager:
                 except Exception as e:
                     logger.warning("snapshot slots: cannot read their markers (%s); writing slot 0", e)
             self._next_slot = int(self._broadcast(slot))
-        slot = self._next_slot
-        self._next_slot = 1 - slot
-        return SNAPSHOT_SLOTS[slot]
+        return SNAPSHOT_SLOTS[self._next_slot]
 
     def _write_dir(self, name: str) -> Path:
         if isinstance(self.dest, LocalDestination):
@@ -481,12 +481,19 @@ class CheckpointManager:
         return result.url
 
     def _prepare(self, write_dir: Path, name: str) -> None:
-        """An empty folder to write into; an old checkpoint of the same name loses its marker first."""
+        """An empty folder to write into. An old checkpoint of the same name (a snapshot slot, or a step folder a
+        crashed run left) loses its marker first, then is moved aside; the background thread deletes it."""
         err = ""
         try:
             if isinstance(self.dest, LocalDestination):
                 if self.rank == 0 and write_dir.exists():
-                    self.dest.delete(name)
+                    try:
+                        (write_dir / MARKER).unlink()
+                        fsync_dir(write_dir)
+                    except FileNotFoundError:
+                        pass
+                    trash = write_dir.with_name(f"{_TRASH}{write_dir.name}-{os.getpid()}-{time.time_ns()}")
+                    os.replace(write_dir, trash)
             elif self.local_rank == 0 and write_dir.exists():
                 shutil.rmtree(write_dir, ignore_errors=True)
         except OSError as e:
@@ -555,6 +562,12 @@ class CheckpointManager:
                     self._retain(result.name)
             ok, error, nbytes = self._broadcast((ok, error, result.bytes))
             result.bytes = nbytes
+            if ok and result.kind == "snapshot":
+                self._next_slot = 1 - SNAPSHOT_SLOTS.index(result.name)
+            if self.rank == 0 and isinstance(self.dest, LocalDestination):
+                for parent in {write_dir.parent, self.dest.root}:
+                    for trash in parent.glob(f"{_TRASH}*"):
+                        shutil.rmtree(trash, ignore_errors=True)
             if ok and remote:
                 self._barrier()
                 if self.local_rank == 0:
@@ -884,6 +897,8 @@ class CheckpointManager:
             raise CheckpointError(f"checkpoint {url} does not match this run's state: "
                                   f"{'; '.join(problems[:6])}{more}")
 
+
+_TRASH = ".trash-"  # replaced checkpoint folders, deleted in the background
 
 # DCP raises CheckpointException, a BaseException: catch it with the ordinary ones
 _ERRORS = (Exception, CheckpointException)

@@ -120,6 +120,7 @@ def test_auto_resume_picks_newest_complete_including_snapshots(tmp_path, caplog)
     b.train()  # regular 4 replaces the damaged one; snapshot 6 goes into the slot not holding the newest snapshot
     assert dest.read_marker("4")["step"] == 4 and dest.verify("4", dest.read_marker("4")) is None
     assert dest.read_marker("snapshot/1")["step"] == 6 and dest.read_marker("snapshot/0")["step"] == 2
+    assert not list((tmp_path / "ckpt").rglob(".trash-*"))  # the replaced folder of 4 was deleted
 
 
 def test_keep_last_k_keeps_newest_and_just_written(tmp_path):
