@@ -22,8 +22,10 @@ STEPS = 5
 GLOBAL_MICRO = 4
 LOSS_TOL = 1e-5        # the bound on the per-step loss
 # max |w - w_ref| after 5 AdamW steps at lr 2e-3 (weights move up to ~1e-2): Adam divides by sqrt(v), which
-# magnifies fp32 reduction-order differences in the gradients of rarely seen embedding rows (measured <= 1.5e-5)
-WEIGHT_TOL = 3e-5
+# magnifies fp32 reduction-order (and, compiled, fusion) differences in small gradients, e.g. of rarely seen
+# embedding rows (measured <= 2e-5). Adam is blind to a constant gradient factor: grad_norm, compared at 1e-5
+# relative every step, is what catches a wrong scaling.
+WEIGHT_TOL = 5e-5
 BASE = ["data.seq_len=32", "data.micro_bsz=2", f"data.total_steps={STEPS}", f"data.valid_every={STEPS}",
         "data.dummy_num_samples=400", "data.fixed_random_dataset_seqlen=False", "data.num_worker=0",
         "data.empty_cache_and_diag_interval=1000",
