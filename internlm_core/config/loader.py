@@ -348,6 +348,9 @@ def check_consistency(cfg: Config, world_size: int | None = None) -> None:
     if p.pipeline > 1 and m.num_layers % (p.pipeline * m.num_chunks):
         raise ConfigError(f"model.num_layers ({m.num_layers}) must be divisible by parallel.pipeline * model.num_chunks "
                           f"({p.pipeline} * {m.num_chunks}) to split the layers into pipeline stages")
+    if p.pipeline > 1 and m.tie_word_embeddings:
+        raise ConfigError("model.tie_word_embeddings: not supported with parallel.pipeline > 1 "
+                          "(the embedding and the output live on different stages)")
     if p.pipeline > 1 and d.micro_num < p.pipeline:
         raise ConfigError(f"data.micro_num ({d.micro_num}) must be at least parallel.pipeline ({p.pipeline}) "
                           f"to keep every stage busy")
