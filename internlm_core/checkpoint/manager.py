@@ -52,6 +52,7 @@ from ..errors import CheckpointError
 from ..utils.logging import get_logger
 from . import faults
 from .safe_dcp import InterruptibleWriter, SafeFileSystemReader, SafeLoadPlanner, flat_keys, read_dcp_metadata
+from .staging import ReusingCPUStager
 from .storage import (CONFIG, DCP_METADATA, MARKER, META, SNAPSHOT_SLOTS, Destination, LocalDestination,
                       S3Destination, fsync_dir, parse_destination, write_durable)
 
@@ -450,11 +451,8 @@ class CheckpointManager:
         writer = InterruptibleWriter(write_dir, step)
         self.last_saved_step = step
         if self.async_save:
-            from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
             if self._stager is None:  # kept: its CPU buffers are reused by the next save
-                self._stager = DefaultStager(StagingOptions(use_pinned_memory=torch.cuda.is_available(),
-                                                            use_shared_memory=False, use_async_staging=False,
-                                                            use_non_blocking_copy=False))
+                self._stager = ReusingCPUStager(pin_memory=torch.cuda.is_available())
             try:
                 fut = dcp.async_save(state, storage_writer=writer, async_stager=self._stager, **self._dcp_kwargs())
             except _ERRORS as e:
