@@ -25,14 +25,65 @@ def _flash_cross_entropy() -> Optional[type]:
     return CrossEntropyLoss
 
 
+# Rows of logits per chunk of the fused cross entropy: a chunk's fp32 temporaries (rows * V * 4 bytes) stay in
+# the CPU's caches instead of streaming [N, V] fp32 tensors through memory several times.
+_CHUNK_BYTES = 4 * 1024 * 1024
+
+
+class _ChunkedCrossEntropy(torch.autograd.Function):
+    """Per-token cross entropy (fp32, 0 where the label is -100) and the argmax of every row, in one pass.
+
+    Forward keeps only the logits (no log-softmax) and the log-sum-exp per row; backward writes
+    (softmax - one_hot) * grad straight into the logits' gradient, chunk by chunk. Equal to
+    F.cross_entropy(logits.float(), reduction="none") up to rounding; the argmax feeds the accuracy metric
+    (no second pass over the logits).
+    """
+
+    @staticmethod
+    def forward(ctx, logits: torch.Tensor, labels: torch.Tensor):  # noqa: D102
+        n, v = logits.shape
+        losses = torch.empty(n, dtype=torch.float32, device=logits.device)
+        lse = torch.empty(n, dtype=torch.float32, device=logits.device)
+        argmax = torch.empty(n, dtype=torch.long, device=logits.device)
+        valid = labels != -100
+        safe = torch.where(valid, labels, 0)
+        step = max(1, _CHUNK_BYTES // (4 * v))
+        for s in range(0, n, step):
+            x = logits[s:s + step].float()
+            m, argmax[s:s + step] = x.max(dim=-1)
+            lse[s:s + step] = (x - m.unsqueeze(1)).exp_().sum(dim=-1).log_().add_(m)
+            picked = x.gather(1, safe[s:s + step].unsqueeze(1)).squeeze(1)
+            losses[s:s + step] = torch.where(valid[s:s + step], lse[s:s + step] - picked, 0.0)
+        ctx.save_for_backward(logits, lse, safe, valid)
+        ctx.mark_non_differentiable(argmax)
+        return losses, argmax
+
+    @staticmethod
+    def backward(ctx, grad_losses: torch.Tensor, _grad_argmax: Optional[torch.Tensor]):  # noqa: D102
+        logits, lse, safe, valid = ctx.saved_tensors
+        n, v = logits.shape
+        scale = torch.where(valid, grad_losses.float(), 0.0).unsqueeze(1)
+        grad = torch.empty_like(logits)
+        step = max(1, _CHUNK_BYTES // (4 * v))
+        rows = torch.arange(min(step, n), device=logits.device)
+        for s in range(0, n, step):
+            e = min(s + step, n)
+            p = (logits[s:e].float() - lse[s:e].unsqueeze(1)).exp_()
+            p[rows[: e - s], safe[s:e]] -= 1.0
+            grad[s:e] = p.mul_(scale[s:e])
+        return grad, None
+
+
 class FlashGPTLMLoss(nn.Module):
     """Mean cross entropy over tokens whose label is not -100.
 
-    Uses flash-attn's fused cross entropy on CUDA when installed, torch's otherwise. Under tensor
+    Uses flash-attn's fused cross entropy on CUDA when installed, a chunked fused one on CPU (no label
+    smoothing; `use_flash=False` forces torch's everywhere), torch's otherwise. Under tensor
     parallel with `parallel_output=True` the logits arrive vocab-sharded (a DTensor) and torch's
     `loss_parallel` context computes the same value without gathering them (see parallel/).
     `last_token_losses` keeps the detached per-token losses of the last call (0 where ignored) so
-    that metrics need not recompute the cross entropy.
+    that metrics need not recompute the cross entropy; `last_predictions` the argmax of each row when the
+    fused CPU kernel computed it on the way (else None).
     """
 
     def __init__(self, parallel_output: bool = True, label_smoothing: float = 0.0, use_flash: Optional[bool] = None):
@@ -42,15 +93,22 @@ class FlashGPTLMLoss(nn.Module):
         flash_cls = _flash_cross_entropy() if use_flash in (None, True) else None
         self._flash = flash_cls(ignore_index=-100, reduction="none", label_smoothing=self.label_smoothing) \
             if flash_cls is not None else None
+        self.use_flash = use_flash
         self.last_token_losses: Optional[torch.Tensor] = None
+        self.last_predictions: Optional[torch.Tensor] = None
 
     def forward(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         logits = logits.reshape(-1, logits.shape[-1])
         labels = labels.reshape(-1)
+        self.last_predictions = None
         if isinstance(logits, DTensor):  # vocabulary-parallel logits (tensor parallel, parallel_output)
             token_losses = vocab_parallel_cross_entropy(logits, labels, self.label_smoothing)
         elif self._flash is not None and logits.is_cuda:
             token_losses = self._flash(logits, labels)
+        elif self.label_smoothing == 0 and self.use_flash is not False and logits.device.type == "cpu":
+            # fused on CPU: one pass over the logits for loss and argmax, no fp32 log-softmax kept
+            token_losses, argmax = _ChunkedCrossEntropy.apply(logits, labels)
+            self.last_predictions = argmax
         else:
             # fp32 softmax: bf16 log-softmax over a large vocabulary loses too much precision
             token_losses = F.cross_entropy(logits.float(), labels, ignore_index=-100, reduction="none",

@@ -31,8 +31,9 @@ class AccPerplex:
 
     @torch.no_grad()
     def update(self, logits: torch.Tensor, labels: torch.Tensor, type_ids: Optional[torch.Tensor] = None,
-               token_losses: Optional[torch.Tensor] = None) -> None:
-        """logits [..., V], labels [...], type_ids like labels; token_losses: per-token CE if already computed."""
+               token_losses: Optional[torch.Tensor] = None, predictions: Optional[torch.Tensor] = None) -> None:
+        """logits [..., V], labels [...], type_ids like labels; token_losses: per-token CE and predictions: the
+        argmax of the logits, if already computed (the loss does both on CPU)."""
         logits = logits.reshape(-1, logits.shape[-1])
         labels = labels.reshape(-1)
         if token_losses is None:
@@ -40,7 +41,8 @@ class AccPerplex:
             if isinstance(token_losses, DTensor):  # computed under loss_parallel: replicated
                 token_losses = token_losses.full_tensor()
         valid = labels != -100
-        right = (vocab_parallel_argmax(logits) == labels) & valid
+        pred = vocab_parallel_argmax(logits) if predictions is None else predictions.reshape(-1)
+        right = (pred == labels) & valid
         types = (type_ids.reshape(-1) if type_ids is not None else torch.zeros_like(labels)).clamp(0, self.max_types - 1)
         types = types.to(labels.device)
         stats = torch.stack([right.float(), valid.float(), token_losses.reshape(-1).float() * valid])  # [3, N]

@@ -2,8 +2,9 @@
 
 A packed micro-batch is `B` rows of `T` tokens whose documents are delimited by `cu_seqlens`
 (offsets into the flattened B*T tokens). Tokens attend only to earlier tokens of their own document.
-The data pipeline puts a boundary at every multiple of `seq_len`, so rows never share a document and
-SDPA needs only a [B, 1, T, T] mask (cost B*T^2, not (B*T)^2).
+The data pipeline puts a boundary at every multiple of `seq_len`, so rows never share a document: SDPA
+runs causally per document, the documents gathered into buckets of equal padded length (cost sum of
+L_i^2, not the B*T^2 of a dense [B, 1, T, T] document mask, which is still built as the reference).
 
 The same layout can be given per token as `document_ids` [B, T] (equal ids = same document, compared
 within a row only). Unlike one `cu_seqlens` per micro-batch, document ids split along the batch dimension
@@ -58,6 +59,40 @@ class PackedMeta:
     cu_seqlens: Optional[torch.Tensor]   # int32 [n+1] over the flattened B*T tokens; None: every row is one document
     max_seqlen: int                      # longest document (flash varlen)
     mask: Optional[torch.Tensor]         # bool [B, 1, T, T] for SDPA; None: plain causal per row
+    # SDPA over documents instead of rows (see `segment_buckets`): [(token index [n, L], kept rows of the
+    # flattened [n * L] output)] per bucket, and the inverse permutation back to token order; None: use `mask`
+    segments: Optional[list[tuple[torch.Tensor, torch.Tensor]]] = None
+    segments_inverse: Optional[torch.Tensor] = None
+
+
+# Documents are padded to a multiple of this many tokens in `segment_buckets`.
+SEGMENT_BUCKET = 64
+
+
+def segment_buckets(cu: torch.Tensor, seqlen: int, device: torch.device,
+                    granularity: int = SEGMENT_BUCKET) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], torch.Tensor]:
+    """Group the `cu_seqlens` segments (documents, never longer than a row) by length rounded up to
+    `granularity` (at most the row length `seqlen`): one bucket per padded length L holds the token indices
+    [n, L] of its n segments, padded at the end (a causal kernel never lets a real token attend to those
+    positions). Causal SDPA over each bucket computes sum(L_i^2) scores instead of the B*T^2 of a dense
+    document mask. Returns the buckets (indices, positions of the real tokens in the flattened [n * L]
+    output) and the permutation that puts the buckets' real tokens back in token order."""
+    cu = cu.to(device="cpu", dtype=torch.int64)
+    starts, lengths = cu[:-1], cu[1:] - cu[:-1]
+    g = min(granularity, seqlen)
+    padded = torch.clamp((lengths + g - 1) // g * g, max=seqlen)
+    buckets, order = [], []
+    for L in torch.unique(padded).tolist():
+        sel = (padded == L).nonzero().flatten()
+        st, ln = starts[sel].unsqueeze(1), lengths[sel].unsqueeze(1)
+        j = torch.arange(L).unsqueeze(0)
+        real = j < ln                                   # [n, L]
+        idx = torch.where(real, st + j, st)             # padding repeats the segment's first token
+        kept = real.flatten().nonzero().flatten()
+        order.append(idx.flatten()[kept])
+        buckets.append((idx.to(device), kept.to(device)))
+    inverse = torch.argsort(torch.cat(order))
+    return buckets, inverse.to(device)
 
 
 def document_ids_from_cu_seqlens(cu_seqlens: torch.Tensor, batch: int, seqlen: int) -> torch.Tensor:
@@ -94,7 +129,11 @@ def build_packed_meta(cu_seqlens: Optional[torch.Tensor], batch: int, seqlen: in
         if backend == "flash":
             cu = cu_seqlens_from_document_ids(document_ids)
             return PackedMeta(cu.to(device), int((cu[1:] - cu[:-1]).max().item()), None)
-        return PackedMeta(None, seqlen, _causal_document_mask(document_ids.to(device)))
+        cu = cu_seqlens_from_document_ids(document_ids.cpu())
+        if len(cu) - 1 == batch:  # one document per row: the fused causal kernel, no mask
+            return PackedMeta(None, seqlen, None)
+        segments, inverse = segment_buckets(cu, seqlen, device)
+        return PackedMeta(None, seqlen, _causal_document_mask(document_ids.to(device)), segments, inverse)
     if cu_seqlens is None:
         return PackedMeta(None, seqlen, None)
     cu = cu_seqlens.to(device="cpu", dtype=torch.int64)
@@ -111,7 +150,27 @@ def build_packed_meta(cu_seqlens: Optional[torch.Tensor], batch: int, seqlen: in
     if len(cu) - 1 == batch:  # one document per row: the fused causal kernel, no mask
         return PackedMeta(None, max_seqlen, None)
     seg = document_ids_from_cu_seqlens(cu, batch, seqlen)
-    return PackedMeta(None, max_seqlen, _causal_document_mask(seg).to(device))
+    segments, inverse = segment_buckets(cu, seqlen, device)
+    return PackedMeta(None, max_seqlen, _causal_document_mask(seg).to(device), segments, inverse)
+
+
+@torch.compiler.disable  # data-dependent shapes: runs eagerly between the compiled parts of a block
+def _segment_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: PackedMeta) -> torch.Tensor:
+    """Causal SDPA per document: the documents of each `meta.segments` bucket gathered into [n, L] rows."""
+    B, T, H, D = q.shape
+    qf, kf, vf = q.reshape(B * T, H, D), k.reshape(B * T, -1, D), v.reshape(B * T, -1, D)
+    gqa = kf.shape[1] != H
+    outs = []
+    for idx, kept in meta.segments:
+        n, L = idx.shape
+        flat = idx.flatten()
+        qb = qf.index_select(0, flat).view(n, L, H, D).transpose(1, 2)
+        kb = kf.index_select(0, flat).view(n, L, -1, D).transpose(1, 2)
+        vb = vf.index_select(0, flat).view(n, L, -1, D).transpose(1, 2)
+        ob = F.scaled_dot_product_attention(qb, kb, vb, is_causal=True, enable_gqa=gqa)
+        outs.append(ob.transpose(1, 2).reshape(n * L, H, D).index_select(0, kept))
+    out = outs[0] if len(outs) == 1 else torch.cat(outs)
+    return out.index_select(0, meta.segments_inverse).view(B, T, H, D)
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: PackedMeta, backend: str) -> torch.Tensor:
@@ -126,6 +185,8 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: PackedMet
     if backend == "flash":
         from flash_attn import flash_attn_func
         return flash_attn_func(q, k, v, causal=True)
+    if meta.segments is not None:
+        return _segment_attention(q, k, v, meta)
     q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
     gqa = k.shape[1] != H
     if meta.mask is None:

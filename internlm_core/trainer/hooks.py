@@ -21,8 +21,9 @@ class SchedulerHook:
     def after_backward(self) -> None: ...
 
     def post_helper_func(self, logits: torch.Tensor, labels: torch.Tensor, type_ids: Optional[torch.Tensor],
-                         token_losses: Optional[torch.Tensor]) -> None:
-        """After the loss of a micro-batch: outputs for metrics."""
+                         token_losses: Optional[torch.Tensor], predictions: Optional[torch.Tensor] = None) -> None:
+        """After the loss of a micro-batch: outputs for metrics (`predictions`: the logits' argmax, when the
+        loss computed it)."""
 
 
 class SchedulerMetricHook(SchedulerHook):
@@ -50,9 +51,9 @@ class SchedulerMetricHook(SchedulerHook):
     def after_backward(self) -> None:
         self.timers.stop("bwd")
 
-    def post_helper_func(self, logits, labels, type_ids, token_losses) -> None:
+    def post_helper_func(self, logits, labels, type_ids, token_losses, predictions=None) -> None:
         if self.metric is not None:
-            self.metric.update(logits, labels, type_ids, token_losses)
+            self.metric.update(logits, labels, type_ids, token_losses, predictions)
 
 
 class HookList:

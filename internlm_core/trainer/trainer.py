@@ -71,6 +71,7 @@ class Trainer:
     pipeline: Any = None  # parallel.PipelineParallel when parallel.pipeline > 1: runs this rank's stages
     stop_request: StopRequest = field(default_factory=StopRequest)
     last_metrics: dict = field(default_factory=dict)
+    _step_end: float = 0.0  # perf_counter at the end of the last step: the start of the next step's time
 
     # ---- pieces of one step -------------------------------------------------------------------
 
@@ -134,7 +135,8 @@ class Trainer:
                 loss = self.loss_fn(logits, mb["labels"])
                 self.hooks.after_criterion()
             self.hooks.post_helper_func(logits.detach(), mb["labels"], mb["type_ids"],
-                                        self.loss_fn.last_token_losses if self.cfg.loss.label_smoothing == 0 else None)
+                                        self.loss_fn.last_token_losses if self.cfg.loss.label_smoothing == 0 else None,
+                                        predictions=self.loss_fn.last_predictions)
             total += loss.detach()
             if not forward_only:
                 self.hooks.before_backward()
@@ -163,7 +165,8 @@ class Trainer:
             if record:
                 self.hooks.after_criterion()
                 self.hooks.post_helper_func(logits.detach(), labels, type_ids, self.loss_fn.last_token_losses
-                                            if self.cfg.loss.label_smoothing == 0 else None)
+                                            if self.cfg.loss.label_smoothing == 0 else None,
+                                            predictions=self.loss_fn.last_predictions)
                 losses.append(loss.detach())
             return loss * scale
 
@@ -212,7 +215,11 @@ class Trainer:
     # ---- the loop --------------------------------------------------------------------------------
 
     def train_step(self, batch: dict, t_start: float) -> dict:
-        """One batch: forward/backward, step, metrics record."""
+        """One batch: forward/backward, step, metrics record.
+
+        `step_time` runs from `t_start` (the end of the previous step, see `train`) to the end of this
+        optimizer step, so it includes data loading and everything done between steps (metrics, writers,
+        callbacks, checkpoint saving) as the peer benchmark measures a step; validation is not in it."""
         self.model.train()
         loss = self.forward_backward(batch)
         with self.timers("optim"):
@@ -225,7 +232,8 @@ class Trainer:
             logger.warning(f"step {st.batch_count}: gradient norm is {grad_norm}; update skipped "
                            f"({st.inf_nan_skip_batches} skipped so far)")
         loss_value = self._reduce_loss(loss)
-        elapsed = time.perf_counter() - t_start
+        self._step_end = time.perf_counter()
+        elapsed = self._step_end - t_start
         tokens = batch["input_ids"].numel() * self.dims.dp
         metrics = {"step": st.batch_count, "loss": loss_value, "lr": self.optimizer.param_groups[0]["lr"],
                    "grad_norm": grad_norm, **self.throughput.compute(tokens, elapsed),
@@ -246,8 +254,9 @@ class Trainer:
         train_iter = iter(self.train_loader)
         logger.info(f"training from batch {st.batch_count} to {cfg.data.total_steps} "
                     f"(micro_num={cfg.data.micro_num}, packed_length={cfg.data.packed_length}, dp={self.dims.dp})")
+        self._step_end = time.perf_counter()
         while st.batch_count < cfg.data.total_steps:
-            t_start = time.perf_counter()
+            t_start = self._step_end  # the end of the previous step: its metrics, writers and callbacks count
             with self.timers("data"):
                 batch = next(train_iter)
             index = st.batch_count
@@ -257,6 +266,7 @@ class Trainer:
             if self.batch_skipper(index):
                 logger.info(f"skip batch {index} (data.skip_batches)")
                 self.timers.pop()
+                self._step_end = time.perf_counter()
                 continue
             self._check_vocab(batch)
             metrics = self.train_step(batch, t_start)
@@ -265,6 +275,7 @@ class Trainer:
             self.callbacks.fire("on_step_end", self, metrics)
             if cfg.data.valid_every > 0 and st.batch_count % cfg.data.valid_every == 0:
                 self.evaluate()
+                self._step_end = time.perf_counter()  # validation has its own valid_time
             if self.stop_request.stop:
                 logger.info(f"stopping after step {st.batch_count}: {self.stop_request.reason}")
                 break
@@ -300,7 +311,7 @@ class Trainer:
                     for logits, mb in self._eval_outputs(batch):
                         losses.append(self.loss_fn(logits, mb["labels"]).detach())
                         metric.update(logits, mb["labels"], mb["type_ids"], self.loss_fn.last_token_losses
-                                      if self.cfg.loss.label_smoothing == 0 else None)
+                                      if self.cfg.loss.label_smoothing == 0 else None, self.loss_fn.last_predictions)
             m = metric.get_metric()
             if not m.get("tokens"):
                 continue

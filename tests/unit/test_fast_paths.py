@@ -1,0 +1,60 @@
+"""The CPU fast paths against their reference paths: fused chunked cross entropy vs torch's, per-document
+(bucketed) SDPA vs the dense document mask."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from internlm_core.loss import FlashGPTLMLoss
+from internlm_core.model.attention import PackedMeta, attention, build_packed_meta
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_cross_entropy_equals_torch(dtype):
+    g = torch.Generator().manual_seed(0)
+    n, v = 300, 1000  # several chunks with a ragged last one
+    x = (3 * torch.randn(n, v, generator=g)).to(dtype).requires_grad_()
+    y = torch.randint(0, v, (n,), generator=g)
+    y[::7] = -100
+    fused = FlashGPTLMLoss()
+    loss = fused(x, y)
+    assert fused.last_predictions is not None
+    (gx,) = torch.autograd.grad(3.0 * loss, x)
+    ref = F.cross_entropy(x.float(), y, ignore_index=-100)
+    (gr,) = torch.autograd.grad(3.0 * ref, x)
+    assert torch.allclose(loss, ref, atol=1e-5, rtol=1e-6)
+    assert gx.dtype == dtype
+    tol = 1e-7 if dtype == torch.float32 else 1e-3 * gr.abs().max().item()
+    assert (gx.float() - gr.float()).abs().max().item() <= tol
+    assert torch.equal(fused.last_predictions, x.detach().argmax(-1))
+    token = F.cross_entropy(x.detach().float(), y, ignore_index=-100, reduction="none")
+    assert torch.allclose(fused.last_token_losses, token, atol=1e-5)
+    assert torch.all(fused.last_token_losses[::7] == 0)
+
+
+def test_reference_cross_entropy_when_asked_or_smoothing():
+    x, y = torch.randn(4, 9), torch.randint(0, 9, (4,))
+    for loss_fn in (FlashGPTLMLoss(use_flash=False), FlashGPTLMLoss(label_smoothing=0.1)):
+        loss_fn(x, y)
+        assert loss_fn.last_predictions is None
+
+
+@pytest.mark.parametrize("kv_heads", [4, 2])
+def test_segment_attention_equals_dense_document_mask(kv_heads):
+    g = torch.Generator().manual_seed(1)
+    B, T, H, D = 3, 128, 4, 16
+    cu = torch.tensor([0, 5, 70, 128, 129, 200, 256, 300, 384], dtype=torch.int32)  # a 1-token document too
+    meta = build_packed_meta(cu, B, T, "sdpa", torch.device("cpu"))
+    assert meta.segments is not None and meta.mask is not None
+    dense = PackedMeta(None, meta.max_seqlen, meta.mask)
+    q = torch.randn(B, T, H, D, generator=g, requires_grad=True)
+    k = torch.randn(B, T, kv_heads, D, generator=g, requires_grad=True)
+    v = torch.randn(B, T, kv_heads, D, generator=g, requires_grad=True)
+    w = torch.randn(B, T, H, D, generator=g)
+    a = attention(q, k, v, meta, "sdpa")
+    b = attention(q, k, v, dense, "sdpa")
+    assert (a - b).abs().max().item() < 1e-5
+    ga = torch.autograd.grad((a * w).sum(), (q, k, v))
+    gb = torch.autograd.grad((b * w).sum(), (q, k, v))
+    for x, y in zip(ga, gb):
+        assert (x - y).abs().max().item() < 1e-4
