@@ -21,7 +21,7 @@ demo: $(STAMP)
 	$(PY) tools/tokenizer.py --text_input_path $(DEMO_DIR)/corpus/train --bin_output_path $(DEMO_DIR)/data/train --tokenizer byte
 	$(PY) tools/tokenizer.py --text_input_path $(DEMO_DIR)/corpus/valid --bin_output_path $(DEMO_DIR)/data/valid --tokenizer byte
 	$(PY) train.py --config configs/tiny.py --run-dir $(DEMO_DIR)/run \
-		--set data.train_folder=$(DEMO_DIR)/data/train data.valid_folder=$(DEMO_DIR)/data/valid model.vocab_size=512 data.total_steps=60 data.valid_every=20 tokenizer=byte
+		--set data.train_folder=$(DEMO_DIR)/data/train data.valid_folder=$(DEMO_DIR)/data/valid model.vocab_size=512 data.total_steps=200 data.valid_every=40 monitor.log_every=20 adam.lr=1e-3 tokenizer=byte
 	$(PY) tools/plot_metrics.py $(DEMO_DIR)/run
 
 test: $(STAMP)
