@@ -30,7 +30,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def main(argv=None) -> int:
+def main(argv=None, extra_callbacks=None) -> int:
+    """Run training; `extra_callbacks` (TrainerCallback objects) let a driver script observe or steer the run."""
     args = parse_args(argv)
     from internlm_core.config import load_config
     from internlm_core.distributed import destroy_distributed, init_distributed
@@ -54,7 +55,8 @@ def main(argv=None) -> int:
     alerts = build_alert_manager(cfg.monitor, cfg.JOB_NAME, launch.rank)
     # the monitor reports any failure (crash report, alert) and ends every rank instead of leaving peers hanging
     with ExceptionMonitor(alerts, launch.rank, run_dir, cfg.JOB_NAME, launch.world_size):
-        trainer = build_trainer(cfg, launch, run_dir, seed=args.seed, alerts=alerts, profiling=args.profiling)
+        trainer = build_trainer(cfg, launch, run_dir, seed=args.seed, alerts=alerts, profiling=args.profiling,
+                                extra_callbacks=extra_callbacks)
         trainer.train()
     alerts.close(timeout=10)
     destroy_distributed()
