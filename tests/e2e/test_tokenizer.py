@@ -14,8 +14,8 @@ from internlm_core.data.formats import open_token_file
 
 ROOT = Path(__file__).resolve().parents[2]
 TOOL = ROOT / "tools" / "tokenizer.py"
-FIX = ROOT.parent / "shared" / "fixtures" / "internlm"
-FIX = FIX if FIX.is_dir() else Path("/work/shared/fixtures/internlm")
+from tests.helpers.fixtures import INTERNLM_FIXTURES as FIX  # noqa: E402
+
 MODEL = str(FIX / "V7_sft.model")
 
 

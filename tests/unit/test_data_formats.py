@@ -11,9 +11,8 @@ import pytest
 from internlm_core.data.formats import (HEADER_SIZE, InternLMWriter, OursWriter, dtype_for, open_token_file)
 from internlm_core.errors import DataError
 
-FIX = Path(__file__).resolve().parents[2].parent / "shared" / "fixtures" / "internlm"
-if not FIX.is_dir():  # the tree may be checked out elsewhere; the fixtures live beside the repository
-    FIX = Path("/work/shared/fixtures/internlm")
+from tests.helpers.fixtures import INTERNLM_FIXTURES as FIX
+
 NAMES = ["txt", "json", "jsonl"]
 
 

@@ -1,7 +1,6 @@
 """Tokenizers and text extraction: InternLM's ids for every fixture document, byte and HF tokenizers."""
 
 import json
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -11,9 +10,8 @@ from internlm_core.data.formats import open_token_file
 from internlm_core.data.text2bin import Options, iter_documents, tokenize_paths, _Skipper, Stats
 from internlm_core.data.tokenizers import ByteTokenizer, load_tokenizer
 
-FIX = Path("/work/shared/fixtures/internlm")
-_alt = Path(__file__).resolve().parents[3] / "shared" / "fixtures" / "internlm"
-FIX = _alt if _alt.is_dir() else FIX
+from tests.helpers.fixtures import INTERNLM_FIXTURES as FIX
+
 MODEL = str(FIX / "V7_sft.model")
 
 

@@ -22,8 +22,9 @@ from internlm_core.errors import CheckpointError  # noqa: E402
 from internlm_core.loss import FlashGPTLMLoss  # noqa: E402
 from internlm_core.model import build_model  # noqa: E402
 
-FIXTURES = os.path.join(os.path.dirname(__file__), "..", "..", "..", "shared", "fixtures", "internlm")
-V7 = os.path.join(FIXTURES, "V7_sft.model")
+from tests.helpers.fixtures import INTERNLM_FIXTURES  # noqa: E402
+
+V7 = str(INTERNLM_FIXTURES / "V7_sft.model")
 
 
 def tiny_cfg(model_type="INTERNLM", *extra):
@@ -247,8 +248,6 @@ def test_byte_tokenizer_exports_as_tokenizer_json(tmp_path):
 
 
 def test_sentencepiece_without_dummy_prefix_matches_exactly(tmp_path):
-    if not os.path.isfile(V7):
-        pytest.skip("shared fixture V7_sft.model not present")
     exp = write_tokenizer_files(V7, tmp_path, 2048)
     assert (tmp_path / "tokenizer.model").read_bytes() == open(V7, "rb").read()
     assert exp.special_ids["bos_token_id"] == 1 and exp.special_ids["eos_token_id"] == 2
