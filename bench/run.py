@@ -9,6 +9,7 @@ Runs, one after the other (never two at once: the machine has 2 cores),
 3. the real-document comparison (bench/real_data.py) unless --skip-real,
 then prints one table with the ratios internlm-core / bare loop and internlm-core / HF Trainer (and compiled /
 eager of internlm-core), and warns when something else loaded the machine during a timed window.
+Then the other benchmarks of bench/ (tokenizer, loader, checkpoint) run with their own tables (--skip-extras).
 
     python bench/run.py [--out bench/results/<stamp>] [--modes fp32,bf16,bf16_compile,compile] [--repeat N]
     python bench/run.py --table bench/results/<stamp>      # print the table of an earlier run again
@@ -51,6 +52,7 @@ TARGETS = {  # (mode, numerator, denominator-system or "eager:<mode>") -> minimu
     ("compile", "eager:fp32"): 1.10,
 }
 LOAD_WARN = 0.05
+EXTRAS = ("bench_tokenizer.py", "bench_loader.py", "bench_checkpoint.py")  # the other benchmarks of bench/
 ENV = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
 
 
@@ -185,6 +187,8 @@ def main(argv=None) -> int:
     p.add_argument("--systems", default=None, help="comma-separated subset of hf_trainer,hf_loop,bare_loop,internlm_core")
     p.add_argument("--repeat", type=int, default=1, help="runs of each (mode, system), round robin")
     p.add_argument("--skip-real", action="store_true", help="skip the real-document comparison")
+    p.add_argument("--skip-extras", action="store_true",
+                   help="skip the other benchmarks of bench/ (tokenizer, loader, checkpoint), run after the table")
     p.add_argument("--table", default=None, metavar="DIR", help="only print the table of an earlier run")
     a = p.parse_args(argv)
     if a.table:
@@ -221,6 +225,13 @@ def main(argv=None) -> int:
     text = table(out)
     (out / "table.txt").write_text(text + "\n")
     print(text)
+    if not a.skip_extras:
+        for extra in EXTRAS:
+            if (HERE / extra).exists():
+                log(f"\n== {extra}")
+                rc = subprocess.call([sys.executable, str(HERE / extra)], cwd=ROOT, env=ENV)
+                if rc != 0:
+                    log(f"{extra} failed with exit code {rc}")
     return 0
 
 

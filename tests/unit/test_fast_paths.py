@@ -58,3 +58,19 @@ def test_segment_attention_equals_dense_document_mask(kv_heads):
     gb = torch.autograd.grad((b * w).sum(), (q, k, v))
     for x, y in zip(ga, gb):
         assert (x - y).abs().max().item() < 1e-4
+
+
+@pytest.mark.parametrize("kv_heads,T,block", [(4, 128, 32), (2, 100, 32), (4, 64, 256)])
+def test_blocked_causal_attention_equals_sdpa(kv_heads, T, block):
+    from internlm_core.model.attention import blocked_causal_attention
+    g = torch.Generator().manual_seed(2)
+    N, H, D = 2, 4, 16
+    q = torch.randn(N, H, T, D, generator=g, requires_grad=True)
+    k = torch.randn(N, kv_heads, T, D, generator=g, requires_grad=True)
+    v = torch.randn(N, kv_heads, T, D, generator=g, requires_grad=True)
+    w = torch.randn(N, H, T, D, generator=g)
+    a = blocked_causal_attention(q, k, v, block)
+    b = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=kv_heads != H)
+    assert (a - b).abs().max().item() < 1e-5
+    for x, y in zip(torch.autograd.grad((a * w).sum(), (q, k, v)), torch.autograd.grad((b * w).sum(), (q, k, v))):
+        assert (x - y).abs().max().item() < 1e-4
