@@ -8,9 +8,6 @@
 from __future__ import annotations
 
 import argparse
-import sys
-
-from internlm_core.errors import InternLMCoreError
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -64,8 +61,6 @@ def main(argv=None, extra_callbacks=None) -> int:
 
 
 if __name__ == "__main__":
-    try:
-        sys.exit(main())
-    except InternLMCoreError as e:  # a user error: the message says what to fix, a traceback would not
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(2)
+    from internlm_core.utils.cli import run_main
+
+    run_main(main)

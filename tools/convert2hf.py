@@ -75,8 +75,6 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    try:
-        sys.exit(main())
-    except InternLMCoreError as e:  # a user error: the message says what to fix
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(2)
+    from internlm_core.utils.cli import run_main
+
+    run_main(main)

@@ -22,7 +22,6 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from internlm_core.errors import InternLMCoreError  # noqa: E402
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -82,8 +81,6 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    try:
-        sys.exit(main())
-    except InternLMCoreError as e:  # a user error: the message says what to fix
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(2)
+    from internlm_core.utils.cli import run_main
+
+    run_main(main)

@@ -21,7 +21,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from internlm_core.errors import DataError, InternLMCoreError  # noqa: E402
+from internlm_core.errors import DataError  # noqa: E402
 
 
 @dataclass
@@ -264,8 +264,6 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    try:
-        sys.exit(main())
-    except InternLMCoreError as e:
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(2)
+    from internlm_core.utils.cli import run_main
+
+    run_main(main)

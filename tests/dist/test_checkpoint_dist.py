@@ -121,23 +121,19 @@ def _dump(trainer, path: str, rank: int) -> None:
 
 
 def driver(out: str, argv: list[str]) -> None:
+    """train.py's main, dumping the full state after loading (if a checkpoint was loaded) and after training."""
     import train
-    from internlm_core.config import load_config
-    from internlm_core.distributed import destroy_distributed, init_distributed
-    from internlm_core.trainer.build import build_trainer, resolve_run_dir
-    from internlm_core.utils.logging import setup_logging
+    from internlm_core.callbacks import TrainerCallback
 
-    args = train.parse_args(argv)
-    launch = init_distributed(args.launcher)
-    cfg = load_config(args.config, args.set, world_size=launch.world_size)
-    run_dir = resolve_run_dir(cfg, args.run_dir, launch)
-    setup_logging(launch.rank, run_dir)
-    trainer = build_trainer(cfg, launch, run_dir)
-    if trainer.checkpoint_manager.loaded is not None:  # (reading a fresh optimizer's state would initialize it)
-        _dump(trainer, f"{out}.loaded.pt", launch.rank)
-    trainer.train()
-    _dump(trainer, f"{out}.trained.pt", launch.rank)
-    destroy_distributed()
+    class Dump(TrainerCallback):
+        def on_train_start(self, trainer):
+            if trainer.checkpoint_manager.loaded is not None:  # (reading a fresh optimizer's state would initialize it)
+                _dump(trainer, f"{out}.loaded.pt", trainer.rank)
+
+        def on_train_end(self, trainer):
+            _dump(trainer, f"{out}.trained.pt", trainer.rank)
+
+    train.main(argv, extra_callbacks=[Dump()])
 
 
 if __name__ == "__main__":
