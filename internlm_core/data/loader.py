@@ -20,7 +20,7 @@ import torch
 from internlm_core.errors import DataError
 from internlm_core.utils.logging import get_logger
 
-from .dataset import Corpus, build_train_corpus, build_valid_corpora
+from .dataset import Corpus, DummySource, _seed, build_train_corpus, build_valid_corpora
 from .packing import Packer, StreamOrder
 
 logger = get_logger(__name__)
@@ -229,10 +229,22 @@ def build_train_loader(data_cfg, *, dp_rank: int, dp_size: int, vocab_size: int)
 
 
 def build_valid_loaders(data_cfg, *, dp_rank: int, dp_size: int, vocab_size: int) -> Dict[str, Iterable[Batch]]:
-    """{name: loader} for every validation subfolder of `data_cfg.valid_folder` ({} when it is None)."""
+    """{name: loader} for every validation subfolder of `data_cfg.valid_folder`.
+
+    With neither `train_folder` nor `valid_folder` (dummy training data), InternLM validates on random data
+    too: one "val" set of dummy documents drawn from another seed than the training stream (4 validation
+    batches per rank). With real training data and no `valid_folder`, there is no validation ({}).
+    """
     packed_length = data_cfg.packed_length or data_cfg.seq_len * data_cfg.micro_bsz
     micro = data_cfg.valid_micro_num or data_cfg.micro_num
+    corpora = build_valid_corpora(data_cfg)
+    if data_cfg.valid_folder is None and data_cfg.train_folder is None:
+        docs_per_row = 1 if data_cfg.fixed_random_dataset_seqlen else 2
+        n = dp_size * micro * data_cfg.micro_bsz * docs_per_row * 4
+        src = DummySource(n, data_cfg.seq_len, vocab_size, _seed(data_cfg) + 1, data_cfg.fixed_random_dataset_seqlen,
+                          data_cfg.dummy_distribution)
+        corpora = {"val": Corpus.from_sources([src], [0], {0: "dummy"}, data_cfg.min_length, "dummy validation data")}
     return {name: ValidLoader(name, corpus, seq_len=data_cfg.seq_len, packed_length=packed_length, micro_num=micro,
                               dp_rank=dp_rank, dp_size=dp_size, vocab_size=vocab_size,
                               pack_sample_into_one=data_cfg.pack_sample_into_one)
-            for name, corpus in build_valid_corpora(data_cfg).items()}
+            for name, corpus in corpora.items()}

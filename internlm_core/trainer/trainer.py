@@ -342,9 +342,9 @@ class Trainer:
             results[f"valid/{name}/loss"] = m["loss_from_metric"]
             results[f"valid/{name}/acc"] = m["acc"]
             results[f"valid/{name}/ppl"] = m["ppl"]
-            for k, v in m.items():
-                if "/" in k:
-                    results[f"valid/{name}/{k}"] = v
+            per_type = {k: v for k, v in m.items() if "/" in k}
+            if len(per_type) > 3:  # more than one type in this set (one type would only repeat the totals)
+                results.update({f"valid/{name}/{k}": v for k, v in per_type.items()})
         results["valid_time"] = time.perf_counter() - t0
         self.timers.pop()
         self.model.train()

@@ -23,6 +23,12 @@ def test_tiny_single_process_run(tmp_path):
     assert (run / "config.yaml").is_file() and (run / "rank0.log").is_file()
     assert list((run / "tensorboard").glob("events.out.tfevents.*"))
     assert "step=10, loss=" in p.stdout
+    valid = read_metrics(run, "valid")  # dummy data validates on held-out dummy data, as InternLM does
+    assert [r["step"] for r in valid] == [15, 30]
+    for r in valid:
+        assert 0 < r["valid/val/acc"] < 1 and 1 < r["valid/val/ppl"] < 512
+    assert valid[-1]["valid/val/ppl"] < valid[0]["valid/val/ppl"] * 1.05
+    assert "[valid] step=15, valid/val/acc=" in p.stdout
 
 
 def test_dry_run_7b_prints_count_without_allocating():

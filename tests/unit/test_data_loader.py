@@ -230,7 +230,20 @@ def test_valid_loaders_split_and_cover_everything(tmp_path):
     assert code_id != 0 and bool((code[1][0]["type_ids"] == code_id).all())
     # re-iterable from the start
     assert _same(list(per_rank[0]["wiki"])[0], wiki[0][0])
-    assert build_valid_loaders(_cfg(), dp_rank=0, dp_size=1, vocab_size=100) == {}
+    # real training data without valid_folder: no validation
+    assert build_valid_loaders(_cfg(train_folder=str(tmp_path / "train")), dp_rank=0, dp_size=1, vocab_size=100) == {}
+
+
+def test_dummy_training_data_validates_on_held_out_dummy_data():
+    cfg = _cfg()
+    assert cfg.train_folder is None and cfg.valid_folder is None
+    valid = build_valid_loaders(cfg, dp_rank=0, dp_size=2, vocab_size=100)
+    assert list(valid) == ["val"]
+    batches = list(valid["val"])
+    assert len(batches) >= 1 and batches[0]["type_names"] == {0: "dummy"}
+    assert int((batches[0]["labels"] != -100).sum()) > 0
+    train = next(iter(build_train_loader(cfg, dp_rank=0, dp_size=2, vocab_size=100)))
+    assert not torch.equal(train["input_ids"][0], batches[0]["input_ids"][0])  # another seed than training
 
 
 @pytest.mark.parametrize("num_worker", [0, 2])
