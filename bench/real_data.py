@@ -318,6 +318,7 @@ def main(argv=None) -> int:
     p.add_argument("--mode", choices=("fp32", "bf16"), default="fp32")
     p.add_argument("--corpora", default="short,long")
     p.add_argument("--systems", default=",".join(("internlm_core",) + RECIPES))
+    p.add_argument("--steps", type=int, default=None, help=f"steps per run (default {STEPS}; timed after {SKIP})")
     p.add_argument("--table", action="store_true", help="only print the table of --out")
     p.add_argument("--hf", nargs=4, metavar=("RECIPE", "CORPUS", "STEPS", "OUT"), help=argparse.SUPPRESS)
     a = p.parse_args(argv)
@@ -335,6 +336,8 @@ def main(argv=None) -> int:
         print(f"building the corpora in {out} ...", flush=True)
         prepare(out)
     systems = a.systems.split(",")
+    if a.steps:
+        STEPS.update({c: a.steps for c in STEPS})
     for c in corpora:
         for s in systems:
             print(f"== real documents: {c} {s}", flush=True)

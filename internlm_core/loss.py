@@ -33,45 +33,56 @@ _CHUNK_BYTES = 4 * 1024 * 1024
 class _ChunkedCrossEntropy(torch.autograd.Function):
     """Per-token cross entropy (fp32, 0 where the label is -100) and the argmax of every row, in one pass.
 
-    Forward keeps only the logits (no log-softmax) and the log-sum-exp per row; backward writes
-    (softmax - one_hot) * grad straight into the logits' gradient, chunk by chunk. Equal to
-    F.cross_entropy(logits.float(), reduction="none") up to rounding; the argmax feeds the accuracy metric
-    (no second pass over the logits).
+    Chunk by chunk of rows, the forward computes the row max (and argmax), the log-sum-exp, the loss and,
+    when the logits need a gradient, already the gradient of the loss of each token, softmax - one_hot
+    (0 on ignored rows), in the logits' dtype; the backward only scales it by the incoming gradient
+    (one multiply instead of recomputing the softmax). No fp32 [N, V] tensor is ever materialized. Equal to
+    F.cross_entropy(logits.float(), reduction="none") up to rounding; the argmax feeds the accuracy metric.
     """
 
     @staticmethod
     def forward(ctx, logits: torch.Tensor, labels: torch.Tensor):  # noqa: D102
         n, v = logits.shape
-        losses = torch.empty(n, dtype=torch.float32, device=logits.device)
-        lse = torch.empty(n, dtype=torch.float32, device=logits.device)
-        argmax = torch.empty(n, dtype=torch.long, device=logits.device)
+        dev = logits.device
+        losses = torch.empty(n, dtype=torch.float32, device=dev)
+        argmax = torch.empty(n, dtype=torch.long, device=dev)
         valid = labels != -100
         safe = torch.where(valid, labels, 0)
+        count = max(1, int(valid.sum()))
+        weight = valid.float() / count  # the gradient of the mean over valid tokens, the usual loss
+        want_grad = ctx.needs_input_grad[0]
+        grad = torch.empty_like(logits) if want_grad else None
         step = max(1, _CHUNK_BYTES // (4 * v))
+        rows = torch.arange(min(step, n), device=dev)
         for s in range(0, n, step):
-            x = logits[s:s + step].float()
-            m, argmax[s:s + step] = x.max(dim=-1)
-            lse[s:s + step] = (x - m.unsqueeze(1)).exp_().sum(dim=-1).log_().add_(m)
-            picked = x.gather(1, safe[s:s + step].unsqueeze(1)).squeeze(1)
-            losses[s:s + step] = torch.where(valid[s:s + step], lse[s:s + step] - picked, 0.0)
-        ctx.save_for_backward(logits, lse, safe, valid)
+            e = min(s + step, n)
+            x = logits[s:e].float()
+            m, argmax[s:e] = x.max(dim=-1)
+            picked = x.gather(1, safe[s:e].unsqueeze(1)).squeeze(1)
+            p = (x - m.unsqueeze(1)).exp_()
+            total = p.sum(dim=-1)
+            losses[s:e] = torch.where(valid[s:e], total.log().add_(m) - picked, 0.0)
+            if want_grad:
+                p.mul_((weight[s:e] / total).unsqueeze(1))  # softmax, 0 on ignored rows
+                p[rows[: e - s], safe[s:e]] -= weight[s:e]
+                grad[s:e] = p
+        ctx.save_for_backward(grad, valid)
+        ctx.count = count
         ctx.mark_non_differentiable(argmax)
         return losses, argmax
 
     @staticmethod
     def backward(ctx, grad_losses: torch.Tensor, _grad_argmax: Optional[torch.Tensor]):  # noqa: D102
-        logits, lse, safe, valid = ctx.saved_tensors
-        n, v = logits.shape
-        scale = torch.where(valid, grad_losses.float(), 0.0).unsqueeze(1)
-        grad = torch.empty_like(logits)
-        step = max(1, _CHUNK_BYTES // (4 * v))
-        rows = torch.arange(min(step, n), device=logits.device)
-        for s in range(0, n, step):
-            e = min(s + step, n)
-            p = (logits[s:e].float() - lse[s:e].unsqueeze(1)).exp_()
-            p[rows[: e - s], safe[s:e]] -= 1.0
-            grad[s:e] = p.mul_(scale[s:e])
-        return grad, None
+        grad, valid = ctx.saved_tensors
+        g = grad_losses[valid]
+        if g.numel() == 0:
+            return torch.zeros_like(grad), None
+        if bool((g == g[0]).all()):  # a sum or mean of the losses: one factor relative to the mean's gradient
+            factor = g[0].item() * ctx.count
+            if abs(factor - 1.0) < 1e-6:  # the mean itself: the gradient as computed, rounded once
+                return grad, None
+            return grad * factor, None  # exact for powers of two (micro_num 2, 4, ..., loss scales)
+        return (grad.float() * (grad_losses.float() * ctx.count).unsqueeze(1)).to(grad.dtype), None
 
 
 class FlashGPTLMLoss(nn.Module):

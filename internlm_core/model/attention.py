@@ -209,7 +209,7 @@ def blocked_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     for s in range(0, T, block):
         e = min(s + block, T)
         scores = torch.matmul(q[..., s:e, :], k[..., :e, :].transpose(-1, -2))
-        scores = scores.masked_fill(future[s:e, :e], float("-inf"))
+        scores[..., s:e].masked_fill_(future[s:e, s:e], float("-inf"))  # only the diagonal block has a future
         p = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
         outs.append(torch.matmul(p, v[..., :e, :]))
     out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=-2)

@@ -5,7 +5,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from internlm_core.loss import FlashGPTLMLoss
+from internlm_core.loss import FlashGPTLMLoss, _ChunkedCrossEntropy
 from internlm_core.model.attention import PackedMeta, attention, build_packed_meta
 
 
@@ -17,15 +17,21 @@ def test_fused_cross_entropy_equals_torch(dtype):
     y = torch.randint(0, v, (n,), generator=g)
     y[::7] = -100
     fused = FlashGPTLMLoss()
-    loss = fused(x, y)
-    assert fused.last_predictions is not None
-    (gx,) = torch.autograd.grad(3.0 * loss, x)
-    ref = F.cross_entropy(x.float(), y, ignore_index=-100)
-    (gr,) = torch.autograd.grad(3.0 * ref, x)
-    assert torch.allclose(loss, ref, atol=1e-5, rtol=1e-6)
-    assert gx.dtype == dtype
-    tol = 1e-7 if dtype == torch.float32 else 1e-3 * gr.abs().max().item()
-    assert (gx.float() - gr.float()).abs().max().item() <= tol
+    # the mean (the gradient computed in forward as is), a power-of-two and another factor, per-token weights
+    w = torch.rand(n, generator=g)
+    for outer in (lambda l, t: l, lambda l, t: 0.5 * l, lambda l, t: 3.0 * l, lambda l, t: (t * w).sum()):
+        loss = fused(x, y)
+        ref = F.cross_entropy(x.float(), y, ignore_index=-100)
+        assert fused.last_predictions is not None
+        assert torch.allclose(loss, ref, atol=1e-5, rtol=1e-6)
+        tokens, _ = _ChunkedCrossEntropy.apply(x, y)
+        (gx,) = torch.autograd.grad(outer(loss, tokens), x)
+        token = F.cross_entropy(x.float(), y, ignore_index=-100, reduction="none")
+        (gr,) = torch.autograd.grad(outer(ref, token), x)
+        assert gx.dtype == dtype
+        # bf16: one rounding of each element (two when scaled by a factor that is not a power of two)
+        tol = 1e-7 if dtype == torch.float32 else 2**-7 * gr.abs().max().item()
+        assert (gx.float() - gr.float()).abs().max().item() <= tol
     assert torch.equal(fused.last_predictions, x.detach().argmax(-1))
     token = F.cross_entropy(x.detach().float(), y, ignore_index=-100, reduction="none")
     assert torch.allclose(fused.last_token_losses, token, atol=1e-5)
@@ -74,3 +80,20 @@ def test_blocked_causal_attention_equals_sdpa(kv_heads, T, block):
     assert (a - b).abs().max().item() < 1e-5
     for x, y in zip(torch.autograd.grad((a * w).sum(), (q, k, v)), torch.autograd.grad((b * w).sum(), (q, k, v))):
         assert (x - y).abs().max().item() < 1e-4
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_onednn_linear_equals_f_linear(bias):
+    from internlm_core.model.transformer import Linear
+    g = torch.Generator().manual_seed(3)
+    lin = Linear(24, 40, bias=bias)
+    x = torch.randn(3, 7, 24, generator=g, requires_grad=True)
+    w = torch.randn(3, 7, 40, generator=g)
+    y = lin(x)
+    ref = F.linear(x, lin.weight, lin.bias)
+    assert torch.allclose(y, ref, atol=1e-5)
+    params = [x, lin.weight] + ([lin.bias] if bias else [])
+    for a, b in zip(torch.autograd.grad((y * w).sum(), params), torch.autograd.grad((ref * w).sum(), params)):
+        assert a.shape == b.shape and torch.allclose(a, b, atol=1e-4)
+    with torch.autocast("cpu", dtype=torch.bfloat16):  # autocast: F.linear in bf16
+        assert lin(x).dtype == torch.bfloat16
