@@ -60,10 +60,33 @@ def log(msg: str) -> None:
     print(msg, flush=True)
 
 
+def steal_s() -> tuple[float, float]:
+    """(wall s, CPU-s the hypervisor stole from this VM, /proc/stat's steal column)."""
+    f = open("/proc/stat").readline().split()
+    return time.perf_counter(), int(f[8]) / os.sysconf("SC_CLK_TCK")
+
+
 def run_peer(system: str, mode: str, out: Path) -> dict:
+    """Run one system in one mode; also records the hypervisor's steal time over the whole run."""
     out.mkdir(parents=True, exist_ok=True)
+    a = steal_s()
+    try:
+        return _run_peer(system, mode, out)
+    finally:
+        b = steal_s()
+        (out / f"{system}.steal").write_text(f"{(b[1] - a[1]) / (b[0] - a[0]):.4f}\n")
+
+
+def _run_peer(system: str, mode: str, out: Path) -> dict:
     if system == "internlm_core":
         return ours.run(mode, out)
+    if system == "hw_peak":
+        with open(out / "hw_peak.log", "w") as fh:
+            rc = subprocess.call([sys.executable, str(HERE / "hw_peak.py"), str(out)], stdout=fh,
+                                 stderr=subprocess.STDOUT, env=ENV)
+        if rc != 0:
+            raise RuntimeError(f"hw_peak.py failed ({rc}): {(out / 'hw_peak.log').read_text()[-2000:]}")
+        return json.loads((out / "hw_peak.json").read_text())
     if mode == "fp32" or system == "peak_flops":
         cmd = [sys.executable, str(PEERS_DIR / f"{system}.py"), str(out)]
     else:
@@ -80,11 +103,15 @@ def run_peer(system: str, mode: str, out: Path) -> dict:
 def load_results(out: Path) -> tuple[dict, dict]:
     """(peak, {mode: {system: [results of each repeat]}})."""
     peak = json.loads((out / "peak_flops.json").read_text())
+    hw = out / "hw_peak.json"
+    peak["hw"] = json.loads(hw.read_text()) if hw.exists() else {}
     res: dict = {}
     for mode in ALL_MODES:
         for rdir in sorted((out / mode).glob("r*")) if (out / mode).is_dir() else []:
             for f in sorted(rdir.glob("*.json")):
                 r = json.loads(f.read_text())
+                st = f.with_suffix(".steal")
+                r["steal"] = float(st.read_text()) if st.exists() else None
                 res.setdefault(mode, {}).setdefault(r["peer"], []).append(r)
     return peak, res
 
@@ -99,9 +126,17 @@ def table(out: Path) -> str:
     peak, res = load_results(out)
     p32 = peak["peak_fp32_gflops"]
     p16 = max([v for k, v in peak.items() if k.startswith("bf16_")] or [float("nan")])
-    lines = [f"peak matmul (peers' peak_flops.py, {peak['threads']} threads): fp32 {p32:.0f} GFLOP/s, "
+    hw = peak["hw"]
+    h32, h16 = max(p32, hw.get("peak_fp32_gflops", 0.0)), max(p16, hw.get("peak_bf16_gflops", 0.0))
+    lines = [f"peak matmul (peers' peak_flops.py, torch.matmul, {peak['threads']} threads): fp32 {p32:.0f} GFLOP/s, "
              f"bf16 {p16:.0f} GFLOP/s; other load during it {peak['other_load']:.2f} cores"]
+    if hw.get("peak_fp32_gflops"):
+        lines.append(f"peak matmul on oneDNN (bench/hw_peak.py, the same products): fp32 {hw['peak_fp32_gflops']:.0f} "
+                     f"GFLOP/s, bf16 {hw['peak_bf16_gflops']:.0f} GFLOP/s -- 'MFU' uses the peers' peak, "
+                     f"'MFU hw' the higher of the two (fp32 {h32:.0f}, bf16 {h16:.0f})")
     any_run = next(r for m in res.values() for rs in m.values() for r in rs)
+    lines.append("other load: cores something else in this VM kept busy during the timed steps (the peers' measure); "
+                 "steal: cores the hypervisor took from this VM during the whole run")
     lines.append(f"model: {any_run['n_params']:,} params, {any_run['flops_per_token'] / 1e6:.2f} MFLOP/token, "
                  f"{any_run['tokens_per_step']} tokens/step, timed steps {any_run['timed_steps']}; "
                  f"MFU against the peak of the mode's dtype")
@@ -110,7 +145,7 @@ def table(out: Path) -> str:
         lines.append(f"{reps} repeats per row: the run with the median tok/s is shown, 'spread' = (max-min)/median")
     lines.append("")
     head = f"{'mode':<22} {'system':<14} {'tok/s med':>9} {'tok/s mean':>10} {'step ms':>8} {'RSS MB':>7} " \
-           f"{'MFU':>6} {'final loss':>10} {'other load':>10}" + (f" {'spread':>6}" if reps > 1 else "")
+           f"{'MFU':>6} {'MFU hw':>6} {'final loss':>10} {'other load':>10} {'steal':>5}" + (f" {'spread':>6}" if reps > 1 else "")
     lines += [head, "-" * len(head)]
     best: dict = {}
     loads = [peak["other_load"]]
@@ -118,6 +153,7 @@ def table(out: Path) -> str:
         if mode not in res:
             continue
         pk = p16 if mode.startswith("bf16") else p32
+        hk = h16 if mode.startswith("bf16") else h32
         for system in SYSTEMS[mode]:
             runs = res[mode].get(system)
             if not runs:
@@ -126,9 +162,11 @@ def table(out: Path) -> str:
             best[(mode, system)] = r
             loads += [x["other_load"] for x in runs if x.get("other_load") is not None]
             mfu = r["tok_s_median"] * r["flops_per_token"] / (pk * 1e9)
+            mfu_hw = r["tok_s_median"] * r["flops_per_token"] / (hk * 1e9)
             ol = "n/a" if r.get("other_load") is None else f"{r['other_load']:.2f}"
+            stl = "n/a" if r.get("steal") is None else f"{r['steal']:.2f}"
             row = f"{MODE_TITLES[mode]:<22} {system:<14} {r['tok_s_median']:9.0f} {r['tok_s_mean']:10.0f} " \
-                  f"{r['step_ms_median']:8.1f} {r['peak_rss_mb']:7.0f} {mfu:6.1%} {r['final_loss']:10.3f} {ol:>10}"
+                  f"{r['step_ms_median']:8.1f} {r['peak_rss_mb']:7.0f} {mfu:6.1%} {mfu_hw:6.1%} {r['final_loss']:10.3f} {ol:>10} {stl:>5}"
             if reps > 1:
                 v = [x["tok_s_median"] for x in runs]
                 row += f" {(max(v) - min(v)) / statistics.median(v):6.1%}"
@@ -208,6 +246,8 @@ def main(argv=None) -> int:
     t0 = time.perf_counter()
     log("== peak_flops")
     run_peer("peak_flops", "fp32", out)
+    log("== hw_peak (the same products on oneDNN)")
+    run_peer("hw_peak", "fp32", out)
     for k in range(a.repeat):
         for mode in modes:
             for system in SYSTEMS[mode]:
