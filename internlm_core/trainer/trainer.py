@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import ctypes
-import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -23,6 +21,7 @@ from ..model import document_ids_from_cu_seqlens
 from ..optim import Beta2Scheduler, DynamicGradScaler, WarmupCosineLR, clip_and_check
 from ..utils.logging import get_logger
 from ..utils.timer import Timers
+from ..utils.memory import keep_freed_cpu_memory
 from ..utils.writer import MetricsWriter
 from ..callbacks import CallbackList
 from .hooks import HookList
@@ -32,26 +31,6 @@ logger = get_logger(__name__)
 
 COMPUTE_DTYPES = {"torch.float32": torch.float32, "torch.tf32": torch.float32,
                   "torch.bfloat16": torch.bfloat16, "torch.float16": torch.float16}
-
-
-def keep_freed_cpu_memory() -> bool:
-    """Make glibc keep the memory of freed tensors for the next step instead of returning it to the OS.
-
-    By default glibc maps every block above its mmap threshold (at most 32 MiB) freshly and unmaps it when
-    freed, and trims the heap's free top: each training step then faults in and zeroes its large tensors
-    (logits, their gradient, activations) again, which on a VM costs as much as a copy of them or more.
-    With mmap off and trimming off (M_MMAP_MAX 0, M_TRIM_THRESHOLD 2 GiB), the heap keeps its peak and
-    reuses it, as a caching allocator does on GPUs. Not applied when the user set MALLOC_* or
-    GLIBC_TUNABLES (their choice wins), or without glibc. Returns whether it was applied.
-    """
-    if "GLIBC_TUNABLES" in os.environ or any(k.startswith("MALLOC_") for k in os.environ):
-        return False
-    try:
-        mallopt = ctypes.CDLL("libc.so.6").mallopt
-    except (OSError, AttributeError):
-        return False
-    m_trim_threshold, m_mmap_max = -1, -4
-    return bool(mallopt(m_mmap_max, 0)) and bool(mallopt(m_trim_threshold, 2**31 - 1))
 
 
 @dataclass
