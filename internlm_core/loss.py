@@ -30,6 +30,36 @@ def _flash_cross_entropy() -> Optional[type]:
 _CHUNK_BYTES = 4 * 1024 * 1024
 
 
+def _cross_entropy_chunk(x: torch.Tensor, label: torch.Tensor, valid: torch.Tensor, weight: torch.Tensor,
+                         want_grad: bool) -> tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
+    """One chunk of `_ChunkedCrossEntropy.forward` written functionally, for torch.compile: per-token loss,
+    argmax and (if want_grad) weight * (softmax - one_hot) in x's dtype. Inductor fuses it into a few
+    vectorized loops over each row (max/argmax, sum of exp, gradient) where eager runs one pass per op."""
+    xf = x.float()
+    m, argmax = xf.max(dim=-1)
+    e = (xf - m.unsqueeze(1)).exp()
+    total = e.sum(dim=-1)
+    picked = xf.gather(1, label.unsqueeze(1)).squeeze(1)
+    loss = torch.where(valid, total.log() + m - picked, 0.0)
+    if not want_grad:
+        return loss, argmax, None
+    g = e * (weight / total).unsqueeze(1)
+    hit = torch.arange(x.shape[1], device=x.device).unsqueeze(0) == label.unsqueeze(1)
+    return loss, argmax, torch.where(hit, g - weight.unsqueeze(1), g).to(x.dtype)
+
+
+_COMPILED_CHUNK = None
+
+
+def _compiled_chunk():
+    """`_cross_entropy_chunk` under torch.compile, built on first use (shapes static: the chunk size and the
+    last, shorter chunk each compile once)."""
+    global _COMPILED_CHUNK
+    if _COMPILED_CHUNK is None:
+        _COMPILED_CHUNK = torch.compile(_cross_entropy_chunk, dynamic=False)
+    return _COMPILED_CHUNK
+
+
 class _ChunkedCrossEntropy(torch.autograd.Function):
     """Per-token cross entropy (fp32, 0 where the label is -100) and the argmax of every row, in one pass.
 
@@ -41,7 +71,7 @@ class _ChunkedCrossEntropy(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, logits: torch.Tensor, labels: torch.Tensor):  # noqa: D102
+    def forward(ctx, logits: torch.Tensor, labels: torch.Tensor, compiled: bool = False):  # noqa: D102
         n, v = logits.shape
         dev = logits.device
         losses = torch.empty(n, dtype=torch.float32, device=dev)
@@ -54,8 +84,14 @@ class _ChunkedCrossEntropy(torch.autograd.Function):
         grad = torch.empty_like(logits) if want_grad else None
         step = max(1, _CHUNK_BYTES // (4 * v))
         rows = torch.arange(min(step, n), device=dev)
+        chunk_fn = _compiled_chunk() if compiled else None
         for s in range(0, n, step):
             e = min(s + step, n)
+            if chunk_fn is not None:
+                losses[s:e], argmax[s:e], g = chunk_fn(logits[s:e], safe[s:e], valid[s:e], weight[s:e], want_grad)
+                if want_grad:
+                    grad[s:e] = g
+                continue
             x = logits[s:e].float()
             m, argmax[s:e] = x.max(dim=-1)
             picked = x.gather(1, safe[s:e].unsqueeze(1)).squeeze(1)
@@ -76,13 +112,13 @@ class _ChunkedCrossEntropy(torch.autograd.Function):
         grad, valid = ctx.saved_tensors
         g = grad_losses[valid]
         if g.numel() == 0:
-            return torch.zeros_like(grad), None
+            return torch.zeros_like(grad), None, None
         if bool((g == g[0]).all()):  # a sum or mean of the losses: one factor relative to the mean's gradient
             factor = g[0].item() * ctx.count
             if abs(factor - 1.0) < 1e-6:  # the mean itself: the gradient as computed, rounded once
-                return grad, None
-            return grad * factor, None  # exact for powers of two (micro_num 2, 4, ..., loss scales)
-        return (grad.float() * (grad_losses.float() * ctx.count).unsqueeze(1)).to(grad.dtype), None
+                return grad, None, None
+            return grad * factor, None, None  # exact for powers of two (micro_num 2, 4, ..., loss scales)
+        return (grad.float() * (grad_losses.float() * ctx.count).unsqueeze(1)).to(grad.dtype), None, None
 
 
 class FlashGPTLMLoss(nn.Module):
@@ -94,11 +130,14 @@ class FlashGPTLMLoss(nn.Module):
     `loss_parallel` context computes the same value without gathering them (see parallel/).
     `last_token_losses` keeps the detached per-token losses of the last call (0 where ignored) so
     that metrics need not recompute the cross entropy; `last_predictions` the argmax of each row when the
-    fused CPU kernel computed it on the way (else None).
+    fused CPU kernel computed it on the way (else None). `compile=True` (model.compile) runs the CPU kernel's
+    chunks through torch.compile.
     """
 
-    def __init__(self, parallel_output: bool = True, label_smoothing: float = 0.0, use_flash: Optional[bool] = None):
+    def __init__(self, parallel_output: bool = True, label_smoothing: float = 0.0, use_flash: Optional[bool] = None,
+                 compile: bool = False):
         super().__init__()
+        self.compile = compile
         self.parallel_output = parallel_output
         self.label_smoothing = float(label_smoothing)
         flash_cls = _flash_cross_entropy() if use_flash in (None, True) else None
@@ -118,7 +157,7 @@ class FlashGPTLMLoss(nn.Module):
             token_losses = self._flash(logits, labels)
         elif self.label_smoothing == 0 and self.use_flash is not False and logits.device.type == "cpu":
             # fused on CPU: one pass over the logits for loss and argmax, no fp32 log-softmax kept
-            token_losses, argmax = _ChunkedCrossEntropy.apply(logits, labels)
+            token_losses, argmax = _ChunkedCrossEntropy.apply(logits, labels, self.compile)
             self.last_predictions = argmax
         else:
             # fp32 softmax: bf16 log-softmax over a large vocabulary loses too much precision

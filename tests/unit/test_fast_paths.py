@@ -5,18 +5,21 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+import internlm_core.loss as loss_module
 from internlm_core.loss import FlashGPTLMLoss, _ChunkedCrossEntropy
 from internlm_core.model.attention import PackedMeta, attention, build_packed_meta
 
 
+@pytest.mark.parametrize("compiled", [False, True])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_fused_cross_entropy_equals_torch(dtype):
+def test_fused_cross_entropy_equals_torch(dtype, compiled, monkeypatch):
     g = torch.Generator().manual_seed(0)
-    n, v = 300, 1000  # several chunks with a ragged last one
+    n, v = 300, 1000
+    monkeypatch.setattr(loss_module, "_CHUNK_BYTES", 4 * v * 128)  # chunks of 128 rows: 128, 128, 44
     x = (3 * torch.randn(n, v, generator=g)).to(dtype).requires_grad_()
     y = torch.randint(0, v, (n,), generator=g)
     y[::7] = -100
-    fused = FlashGPTLMLoss()
+    fused = FlashGPTLMLoss(compile=compiled)
     # the mean (the gradient computed in forward as is), a power-of-two and another factor, per-token weights
     w = torch.rand(n, generator=g)
     for outer in (lambda l, t: l, lambda l, t: 0.5 * l, lambda l, t: 3.0 * l, lambda l, t: (t * w).sum()):
@@ -24,7 +27,7 @@ def test_fused_cross_entropy_equals_torch(dtype):
         ref = F.cross_entropy(x.float(), y, ignore_index=-100)
         assert fused.last_predictions is not None
         assert torch.allclose(loss, ref, atol=1e-5, rtol=1e-6)
-        tokens, _ = _ChunkedCrossEntropy.apply(x, y)
+        tokens, _ = _ChunkedCrossEntropy.apply(x, y, compiled)
         (gx,) = torch.autograd.grad(outer(loss, tokens), x)
         token = F.cross_entropy(x.float(), y, ignore_index=-100, reduction="none")
         (gr,) = torch.autograd.grad(outer(ref, token), x)
