@@ -2,7 +2,7 @@
 """What each CPU fast path is worth: configs/bench_cpu.py trained with one of them switched back to the plain
 PyTorch path at a time (a monkeypatch in a fresh process), runs interleaved round robin, median step time.
 
-    python bench/ablation.py [--dtypes fp32,bf16] [--repeat 3] [--steps 25] [--variants all,-onednn,...]
+    python bench/ablation.py [--dtypes fp32,bf16] [--repeat 3] [--steps 25] [--variants all,-onednn,...] [--compile]
 
 Variants (each removes one fast path from `all`):
   all          everything on (what train.py runs)
@@ -11,6 +11,7 @@ Variants (each removes one fast path from `all`):
   -fused_ce    torch's cross entropy (fp32 log-softmax, separate argmax for the metric) instead of the fused one
   -malloc      glibc's default allocator behaviour (mmap + trim of large blocks) instead of keeping freed memory
   -all         all four removed
+  -compiled_ce (with --compile, model.compile=True) the fused cross entropy eager instead of compiled
 Step times are the trainer's `step_time` (whole step), median of the steps after the first 5.
 """
 
@@ -25,7 +26,7 @@ import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-VARIANTS = ("all", "-onednn", "-blocked", "-fused_ce", "-malloc", "-all")
+VARIANTS = ("all", "-onednn", "-blocked", "-fused_ce", "-malloc", "-all")  # and "-compiled_ce"
 
 
 def patch(variant: str) -> None:
@@ -51,6 +52,9 @@ def patch(variant: str) -> None:
             kw["use_flash"] = False
             init(self, *a, **kw)
         L.FlashGPTLMLoss.__init__ = plain_init
+    if "-compiled_ce" in off:
+        import internlm_core.loss as L
+        L._compiled_chunk = lambda: None
     if "-malloc" in off:
         import internlm_core.trainer.trainer as TR
         TR.keep_freed_cpu_memory = lambda: False
@@ -82,6 +86,7 @@ def main(argv=None) -> int:
     p.add_argument("--variants", default=",".join(VARIANTS))
     p.add_argument("--repeat", type=int, default=3)
     p.add_argument("--steps", type=int, default=25)
+    p.add_argument("--compile", action="store_true", help="model.compile=True for every variant")
     p.add_argument("--child", default=None, help=argparse.SUPPRESS)
     p.add_argument("--set", nargs="*", default=[], help=argparse.SUPPRESS)
     a = p.parse_args(argv)
@@ -93,8 +98,8 @@ def main(argv=None) -> int:
     for _ in range(a.repeat):
         for dt in a.dtypes.split(","):
             for v in a.variants.split(","):
-                out = subprocess.run([sys.executable, __file__, "--child", v, "--steps", str(a.steps), "--set",
-                                      f"model.dtype={dtypes[dt]}"], capture_output=True, text=True, cwd=ROOT)
+                out = subprocess.run([sys.executable, __file__, f"--child={v}", "--steps", str(a.steps), "--set",
+                                      f"model.dtype={dtypes[dt]}", f"model.compile={a.compile}"], capture_output=True, text=True, cwd=ROOT)
                 if out.returncode != 0:
                     print(out.stderr[-2000:])
                     return 1

@@ -30,12 +30,14 @@ def main(argv=None) -> int:
     from internlm_core.config import load_config
     from internlm_core.distributed import init_distributed
     from internlm_core.trainer.build import build_trainer
+    from internlm_core.utils.memory import keep_freed_cpu_memory
 
     launch = init_distributed(None)
     cfg = load_config(a.config, a.set + [f"data.total_steps={a.warmup + a.steps}"], world_size=1)
     with tempfile.TemporaryDirectory() as d:
         tr = build_trainer(cfg, launch, Path(d))
         it = iter(tr.train_loader)
+        keep_freed_cpu_memory()  # as Trainer.train does: otherwise page faults of fresh blocks show up as copies
         t_end = time.perf_counter()
         for i in range(a.warmup):
             tr.train_step(next(it), t_end)
