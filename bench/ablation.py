@@ -12,6 +12,9 @@ Variants (each removes one fast path from `all`):
   -malloc      glibc's default allocator behaviour (mmap + trim of large blocks) instead of keeping freed memory
   -all         all four removed
   -compiled_ce (with --compile, model.compile=True) the fused cross entropy eager instead of compiled
+  -segments    packed documents through SDPA with a dense [B, 1, T, T] document mask instead of per-document
+               length buckets (only differs on data with several documents per row: pass --set
+               data.train_folder=... e.g. the short-document corpus of bench/real_data.py)
 Step times are the trainer's `step_time` (whole step), median of the steps after the first 5.
 """
 
@@ -52,6 +55,9 @@ def patch(variant: str) -> None:
             kw["use_flash"] = False
             init(self, *a, **kw)
         L.FlashGPTLMLoss.__init__ = plain_init
+    if "-segments" in off:
+        import internlm_core.model.attention as A
+        A.segment_buckets = lambda *a, **kw: (None, None)
     if "-compiled_ce" in off:
         import internlm_core.loss as L
         L._compiled_chunk = lambda: None
@@ -88,7 +94,7 @@ def main(argv=None) -> int:
     p.add_argument("--steps", type=int, default=25)
     p.add_argument("--compile", action="store_true", help="model.compile=True for every variant")
     p.add_argument("--child", default=None, help=argparse.SUPPRESS)
-    p.add_argument("--set", nargs="*", default=[], help=argparse.SUPPRESS)
+    p.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE", help="config overrides for every run")
     a = p.parse_args(argv)
     if a.child:
         child(a.child, a.steps, a.set)
@@ -99,7 +105,8 @@ def main(argv=None) -> int:
         for dt in a.dtypes.split(","):
             for v in a.variants.split(","):
                 out = subprocess.run([sys.executable, __file__, f"--child={v}", "--steps", str(a.steps), "--set",
-                                      f"model.dtype={dtypes[dt]}", f"model.compile={a.compile}"], capture_output=True, text=True, cwd=ROOT)
+                                      f"model.dtype={dtypes[dt]}", f"model.compile={a.compile}", *a.set],
+                                     capture_output=True, text=True, cwd=ROOT)
                 if out.returncode != 0:
                     print(out.stderr[-2000:])
                     return 1

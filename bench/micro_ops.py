@@ -52,11 +52,8 @@ def bench_attention(dtype):
             return F.scaled_dot_product_attention(q, k, v, is_causal=True)
 
     out = {"sdpa flash (causal)": timeit(run(flash)), "sdpa math (causal)": timeit(run(math))}
-    try:
-        from internlm_core.model.attention import attention_math as am
-        out["attention_math"] = timeit(run(lambda q, k, v: am(q, k, v)))
-    except ImportError:
-        pass
+    from internlm_core.model.attention import blocked_causal_attention
+    out["blocked matmuls (ours)"] = timeit(run(blocked_causal_attention))
     return out
 
 
@@ -103,7 +100,12 @@ def main(argv=None) -> int:
     p.add_argument("what", nargs="?", default="all", choices=("attention", "ce", "proj", "all"))
     p.add_argument("--dtype", default="both", choices=("fp32", "bf16", "both"))
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    p.add_argument("--default-malloc", action="store_true",
+                   help="leave glibc's allocator as it is (the trainer keeps freed memory, see utils/memory.py)")
     a = p.parse_args(argv)
+    if not a.default_malloc:
+        from internlm_core.utils.memory import keep_freed_cpu_memory
+        keep_freed_cpu_memory()
     if a.threads:
         torch.set_num_threads(a.threads)
     dtypes = {"fp32": [torch.float32], "bf16": [torch.bfloat16], "both": [torch.float32, torch.bfloat16]}[a.dtype]
