@@ -12,9 +12,9 @@ Variants (each removes one fast path from `all`):
   -malloc      glibc's default allocator behaviour (mmap + trim of large blocks) instead of keeping freed memory
   -all         all four removed
   -compiled_ce (with --compile, model.compile=True) the fused cross entropy eager instead of compiled
-  -segments    packed documents through SDPA with a dense [B, 1, T, T] document mask instead of per-document
-               length buckets (only differs on data with several documents per row: pass --set
-               data.train_folder=... e.g. the short-document corpus of bench/real_data.py)
+  -blocked_doc packed documents through SDPA with a dense [B, 1, T, T] document mask instead of blocked
+               matmul attention with per-block document masks (only differs on data with several documents
+               per row: pass --set data.train_folder=..., e.g. the short-document corpus of bench/real_data.py)
 Step times are the trainer's `step_time` (whole step), median of the steps after the first 5.
 """
 
@@ -55,9 +55,9 @@ def patch(variant: str) -> None:
             kw["use_flash"] = False
             init(self, *a, **kw)
         L.FlashGPTLMLoss.__init__ = plain_init
-    if "-segments" in off:
+    if "-blocked_doc" in off:
         import internlm_core.model.attention as A
-        A.segment_buckets = lambda *a, **kw: (None, None)
+        A.block_document_masks = lambda *a, **kw: None
     if "-compiled_ce" in off:
         import internlm_core.loss as L
         L._compiled_chunk = lambda: None

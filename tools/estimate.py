@@ -42,8 +42,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                         f"H100/H200 dense bf16; A100: 312)")
     p.add_argument("--gpu-memory-gib", type=float, default=80.0,
                    help="device memory to check the total against (default 80; 0: no check)")
-    p.add_argument("--attention", choices=["flash", "sdpa"], default=None,
-                   help="attention kernel (default: flash when the config uses flash-attn, else sdpa with masks)")
+    p.add_argument("--attention", choices=["flash", "sdpa", "blocked"], default=None,
+                   help="attention kernel (default: blocked matmuls on CPU, else flash when the config uses "
+                        "flash-attn, else sdpa with masks)")
     p.add_argument("--json", action="store_true", help="print the figures as JSON instead of text")
     return p.parse_args(argv)
 

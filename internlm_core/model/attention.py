@@ -2,9 +2,11 @@
 
 A packed micro-batch is `B` rows of `T` tokens whose documents are delimited by `cu_seqlens`
 (offsets into the flattened B*T tokens). Tokens attend only to earlier tokens of their own document.
-The data pipeline puts a boundary at every multiple of `seq_len`, so rows never share a document: SDPA
-runs causally per document, the documents gathered into buckets of equal padded length (cost sum of
-L_i^2, not the B*T^2 of a dense [B, 1, T, T] document mask, which is still built as the reference).
+The data pipeline puts a boundary at every multiple of `seq_len`, so rows never share a document. On CPU,
+attention is plain matmuls in blocks of query rows (`blocked_causal_attention`): scores above the diagonal
+blocks are never computed, and packed documents only add a precomputed per-block mask; 16-bit inputs run
+at the 16-bit matmul rate, which SDPA's CPU kernels do not reach. Elsewhere SDPA takes a dense
+[B, 1, T, T] document mask (or flash-attn's varlen kernel takes `cu_seqlens` directly).
 
 The same layout can be given per token as `document_ids` [B, T] (equal ids = same document, compared
 within a row only). Unlike one `cu_seqlens` per micro-batch, document ids split along the batch dimension
@@ -58,41 +60,10 @@ class PackedMeta:
 
     cu_seqlens: Optional[torch.Tensor]   # int32 [n+1] over the flattened B*T tokens; None: every row is one document
     max_seqlen: int                      # longest document (flash varlen)
-    mask: Optional[torch.Tensor]         # bool [B, 1, T, T] for SDPA; None: plain causal per row
-    # SDPA over documents instead of rows (see `segment_buckets`): [(token index [n, L], kept rows of the
-    # flattened [n * L] output)] per bucket, and the inverse permutation back to token order; None: use `mask`
-    segments: Optional[list[tuple[torch.Tensor, torch.Tensor]]] = None
-    segments_inverse: Optional[torch.Tensor] = None
-
-
-# Documents are padded to a multiple of this many tokens in `segment_buckets`.
-SEGMENT_BUCKET = 64
-
-
-def segment_buckets(cu: torch.Tensor, seqlen: int, device: torch.device,
-                    granularity: int = SEGMENT_BUCKET) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], torch.Tensor]:
-    """Group the `cu_seqlens` segments (documents, never longer than a row) by length rounded up to
-    `granularity` (at most the row length `seqlen`): one bucket per padded length L holds the token indices
-    [n, L] of its n segments, padded at the end (a causal kernel never lets a real token attend to those
-    positions). Causal SDPA over each bucket computes sum(L_i^2) scores instead of the B*T^2 of a dense
-    document mask. Returns the buckets (indices, positions of the real tokens in the flattened [n * L]
-    output) and the permutation that puts the buckets' real tokens back in token order."""
-    cu = cu.to(device="cpu", dtype=torch.int64)
-    starts, lengths = cu[:-1], cu[1:] - cu[:-1]
-    g = min(granularity, seqlen)
-    padded = torch.clamp((lengths + g - 1) // g * g, max=seqlen)
-    buckets, order = [], []
-    for L in torch.unique(padded).tolist():
-        sel = (padded == L).nonzero().flatten()
-        st, ln = starts[sel].unsqueeze(1), lengths[sel].unsqueeze(1)
-        j = torch.arange(L).unsqueeze(0)
-        real = j < ln                                   # [n, L]
-        idx = torch.where(real, st + j, st)             # padding repeats the segment's first token
-        kept = real.flatten().nonzero().flatten()
-        order.append(idx.flatten()[kept])
-        buckets.append((idx.to(device), kept.to(device)))
-    inverse = torch.argsort(torch.cat(order))
-    return buckets, inverse.to(device)
+    mask: Optional[torch.Tensor]         # bool [B, 1, T, T] for SDPA (True = attend); None: plain causal per row
+    # CPU: per query block of `blocked_causal_attention`, bool [B, 1, rows, keys] True where a score is
+    # masked out (another document or the future); None: no documents inside rows (plain causal)
+    block_masks: Optional[list[torch.Tensor]] = None
 
 
 def document_ids_from_cu_seqlens(cu_seqlens: torch.Tensor, batch: int, seqlen: int) -> torch.Tensor:
@@ -120,6 +91,29 @@ def _causal_document_mask(seg: torch.Tensor) -> torch.Tensor:
     return (same_doc & causal).unsqueeze(1)
 
 
+def block_document_masks(seg: torch.Tensor, block: Optional[int] = None) -> Optional[list[torch.Tensor]]:
+    """For `blocked_causal_attention` over packed rows: per query block [s, e), bool [B, 1, e - s, e], True
+    where query and key lie in different documents or the key is in the future. `seg` [B, T] document ids."""
+    B, T = seg.shape
+    block = block or CAUSAL_BLOCK
+    future = torch.ones(T, T, dtype=torch.bool, device=seg.device).triu(1)
+    masks = []
+    for s in range(0, T, block):
+        e = min(s + block, T)
+        other = seg[:, s:e].unsqueeze(2) != seg[:, :e].unsqueeze(1)
+        masks.append((other | future[s:e, :e]).unsqueeze(1))
+    return masks
+
+
+def _layout_for_documents(seg: torch.Tensor, device: torch.device) -> tuple[Optional[torch.Tensor], Optional[list]]:
+    """(dense SDPA mask, CPU block masks) for rows holding several documents; one of them is None."""
+    if device.type == "cpu":
+        blocks = block_document_masks(seg.to(device))
+        if blocks is not None:
+            return None, blocks
+    return _causal_document_mask(seg.to(device)), None
+
+
 def build_packed_meta(cu_seqlens: Optional[torch.Tensor], batch: int, seqlen: int, backend: str,
                       device: torch.device, document_ids: Optional[torch.Tensor] = None) -> PackedMeta:
     """Turn cu_seqlens (or per-token document_ids) into what the chosen backend needs (outside compiled regions)."""
@@ -132,8 +126,8 @@ def build_packed_meta(cu_seqlens: Optional[torch.Tensor], batch: int, seqlen: in
         cu = cu_seqlens_from_document_ids(document_ids.cpu())
         if len(cu) - 1 == batch:  # one document per row: the fused causal kernel, no mask
             return PackedMeta(None, seqlen, None)
-        segments, inverse = segment_buckets(cu, seqlen, device)
-        return PackedMeta(None, seqlen, _causal_document_mask(document_ids.to(device)), segments, inverse)
+        mask, blocks = _layout_for_documents(document_ids, device)
+        return PackedMeta(None, seqlen, mask, blocks)
     if cu_seqlens is None:
         return PackedMeta(None, seqlen, None)
     cu = cu_seqlens.to(device="cpu", dtype=torch.int64)
@@ -149,28 +143,8 @@ def build_packed_meta(cu_seqlens: Optional[torch.Tensor], batch: int, seqlen: in
         return PackedMeta(cu_seqlens.to(device=device, dtype=torch.int32), max_seqlen, None)
     if len(cu) - 1 == batch:  # one document per row: the fused causal kernel, no mask
         return PackedMeta(None, max_seqlen, None)
-    seg = document_ids_from_cu_seqlens(cu, batch, seqlen)
-    segments, inverse = segment_buckets(cu, seqlen, device)
-    return PackedMeta(None, max_seqlen, _causal_document_mask(seg).to(device), segments, inverse)
-
-
-@torch.compiler.disable  # data-dependent shapes: runs eagerly between the compiled parts of a block
-def _segment_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: PackedMeta) -> torch.Tensor:
-    """Causal SDPA per document: the documents of each `meta.segments` bucket gathered into [n, L] rows."""
-    B, T, H, D = q.shape
-    qf, kf, vf = q.reshape(B * T, H, D), k.reshape(B * T, -1, D), v.reshape(B * T, -1, D)
-    gqa = kf.shape[1] != H
-    outs = []
-    for idx, kept in meta.segments:
-        n, L = idx.shape
-        flat = idx.flatten()
-        qb = qf.index_select(0, flat).view(n, L, H, D).transpose(1, 2)
-        kb = kf.index_select(0, flat).view(n, L, -1, D).transpose(1, 2)
-        vb = vf.index_select(0, flat).view(n, L, -1, D).transpose(1, 2)
-        ob = F.scaled_dot_product_attention(qb, kb, vb, is_causal=True, enable_gqa=gqa)
-        outs.append(ob.transpose(1, 2).reshape(n * L, H, D).index_select(0, kept))
-    out = outs[0] if len(outs) == 1 else torch.cat(outs)
-    return out.index_select(0, meta.segments_inverse).view(B, T, H, D)
+    mask, blocks = _layout_for_documents(document_ids_from_cu_seqlens(cu, batch, seqlen), device)
+    return PackedMeta(None, max_seqlen, mask, blocks)
 
 
 # Query rows per block of `blocked_causal_attention`.
@@ -187,15 +161,16 @@ def _future_mask(T: int, device: torch.device) -> torch.Tensor:
     return m
 
 
-def blocked_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                             block: int = CAUSAL_BLOCK) -> torch.Tensor:
+def blocked_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block: int = CAUSAL_BLOCK,
+                             masks: Optional[list[torch.Tensor]] = None) -> torch.Tensor:
     """Causal attention, q [N, H, T, D], k/v [N, Hkv, T, D] -> [N, H, T, D], as plain matmuls and a softmax.
 
     Queries go in blocks of `block` rows; block i attends to keys [0, end of block i), so the scores above
     the diagonal blocks are never computed (about (1 + 1/n) / 2 of the square for n blocks). Scores come
     from a matmul in the input dtype (as HF's eager attention), the softmax is fp32. On CPU this beats
-    SDPA's flash kernel: 16-bit matmuls run at the 16-bit matmul rate (the flash kernel's bf16 path does
-    not), and autograd's backward is plain matmuls too.
+    SDPA's kernels: 16-bit matmuls run at the 16-bit matmul rate (SDPA's bf16 paths do not), and
+    autograd's backward is plain matmuls too. `masks` (from `block_document_masks`, one per block of the
+    same size) confine each query to its own document in packed rows.
     """
     N, H, T, D = q.shape
     hkv = k.shape[1]
@@ -203,13 +178,18 @@ def blocked_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     if hkv != H:  # grouped-query attention: each key/value head serves H / hkv query heads
         q = q.view(N, hkv, H // hkv, T, D)
         k, v = k.unsqueeze(2), v.unsqueeze(2)
-    future = torch.ones(T, T, dtype=torch.bool, device=q.device).triu(1) if torch.compiler.is_compiling() \
-        else _future_mask(T, q.device)
+    if masks is None:
+        future = torch.ones(T, T, dtype=torch.bool, device=q.device).triu(1) if torch.compiler.is_compiling() \
+            else _future_mask(T, q.device)
     outs = []
-    for s in range(0, T, block):
+    for i, s in enumerate(range(0, T, block)):
         e = min(s + block, T)
         scores = torch.matmul(q[..., s:e, :], k[..., :e, :].transpose(-1, -2))
-        scores[..., s:e].masked_fill_(future[s:e, s:e], float("-inf"))  # only the diagonal block has a future
+        if masks is None:
+            scores[..., s:e].masked_fill_(future[s:e, s:e], float("-inf"))  # only the diagonal block has a future
+        else:
+            m = masks[i]
+            scores.masked_fill_(m.unsqueeze(1) if hkv != H else m, float("-inf"))
         p = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
         outs.append(torch.matmul(p, v[..., :e, :]))
     out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=-2)
@@ -228,11 +208,11 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: PackedMet
     if backend == "flash":
         from flash_attn import flash_attn_func
         return flash_attn_func(q, k, v, causal=True)
-    if meta.segments is not None:
-        return _segment_attention(q, k, v, meta)
     q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
     gqa = k.shape[1] != H
-    if meta.mask is None and q.device.type == "cpu":
+    if meta.block_masks is not None:
+        out = blocked_causal_attention(q, k, v, masks=meta.block_masks)
+    elif meta.mask is None and q.device.type == "cpu":
         out = blocked_causal_attention(q, k, v)
     elif meta.mask is None:
         out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)

@@ -24,8 +24,13 @@ them (checked against `torch.autograd.graph.saved_tensors_hooks` in tests/unit/t
                                                    input), 2 on CPU (torch's composite: input and normalized)
       linear inputs      k * a * h                 k = 5 under autocast (q, k, v, w1, w2 each cast their
                                                    input), 2 when the compute dtype is the parameter dtype
-      attention          a * (2h + 2kv) + 4H       q, k, v, output, log-sum-exp
+      attention          a * (2h + 2kv) + 4H       q, k, v, output, log-sum-exp (flash-attn, SDPA)
       document mask      a * s                     SDPA with a packed-document mask only (not flash-attn)
+      blocked attention  a * (2h + 2kv) + p * H * w  CPU (`blocked_causal_attention`): q, k, v, output and the
+                                                   probabilities, w keys per query on average (about s/2 + s/8
+                                                   for blocks of s/4), p = 4 (fp32 softmax) + 2 under bf16
+                                                   autocast (their 16-bit copy); packed documents add one
+                                                   bool block mask, w bytes per token, shared by all layers
       SwiGLU FFN         4 * a * f                 w1 x, silu(w1 x), w2 x, their product
     a recomputed (checkpointed) layer keeps only its input (r * h), and one layer's worth is rebuilt at a
     time in backward. Head (last pipeline stage), per token: the final norm, the output layer's input, the
@@ -134,11 +139,22 @@ class Estimate:
         return self.tokens_per_step / self.layout.world_size / self.step_time
 
 
+def keys_per_query(seq_len: int) -> float:
+    """Mean number of keys a query of `blocked_causal_attention` scores (whole diagonal blocks included)."""
+    from ..model.attention import CAUSAL_BLOCK
+    return sum((min(s + CAUSAL_BLOCK, seq_len) - s) * min(s + CAUSAL_BLOCK, seq_len)
+               for s in range(0, seq_len, CAUSAL_BLOCK)) / seq_len
+
+
 def _bytes_per_token_per_layer(a: ModelArgs, seq_len: int, comp: int, resid: int, norm_tensors: int,
-                               linear_inputs: int, mask: bool, tp: int, sp: bool) -> float:
+                               linear_inputs: int, attention: str, mask: bool, tp: int, sp: bool) -> float:
     h, kv, f, H = a.hidden_size, a.num_kv_heads * a.head_dim, a.ffn_width, a.num_heads
     norm_side = 2 * (norm_tensors * resid * h + 8) + linear_inputs * comp * h
-    sharded = comp * (2 * h + 2 * kv) + 4 * H + 4 * comp * f
+    if attention == "blocked":
+        probs = (4 + (2 if comp == 2 else 0)) * H * keys_per_query(seq_len)
+    else:
+        probs = 4 * H  # the log-sum-exp
+    sharded = comp * (2 * h + 2 * kv) + probs + 4 * comp * f
     return norm_side / (tp if sp else 1) + sharded / tp + (comp * seq_len if mask else 0)
 
 
@@ -148,8 +164,9 @@ def estimate(cfg: Config, world_size: int = 1, precision: str = "internlm_core",
              device: str = "cuda") -> Estimate:
     """The figures of `cfg` on `world_size` devices of type `device` ("cuda" or "cpu").
 
-    attention: "flash" (flash-attn: no mask) or "sdpa" (SDPA with a packed-document mask); default flash when
-    the config asks for flash-attn (`model.use_flash_attn` / `attn_backend`), else sdpa.
+    attention: "flash" (flash-attn: no mask), "sdpa" (SDPA with a packed-document mask) or "blocked" (the CPU
+    path: matmuls, probabilities kept); default blocked on CPU, else flash when the config asks for flash-attn
+    (`model.use_flash_attn` / `attn_backend`), else sdpa.
     """
     if precision not in PRECISIONS:
         raise ValueError(f"precision {precision!r}: expected one of {PRECISIONS}")
@@ -159,7 +176,7 @@ def estimate(cfg: Config, world_size: int = 1, precision: str = "internlm_core",
     m, d = cfg.model, cfg.data
     lay = Layout.from_config(cfg, world_size)
     if attention is None and device == "cpu":
-        attention = "sdpa"
+        attention = "blocked"
     if attention is None:
         attention = "flash" if (m.attn_backend == "flash" or (m.attn_backend == "auto" and m.use_flash_attn)) \
             else "sdpa"
@@ -188,10 +205,12 @@ def estimate(cfg: Config, world_size: int = 1, precision: str = "internlm_core",
     # torch's RMSNorm keeps input and normalized output on CPU (composite), the input only on CUDA (fused kernel)
     norm_tensors = 2 if (precision == "internlm_core" and device == "cpu") else 1
     linear_inputs = 5 if autocast else 2
-    per_layer_tok = _bytes_per_token_per_layer(args, d.seq_len, comp, resid, norm_tensors, linear_inputs, mask,
-                                               lay.tp, lay.sequence_parallel)
+    per_layer_tok = _bytes_per_token_per_layer(args, d.seq_len, comp, resid, norm_tensors, linear_inputs, attention,
+                                               mask, lay.tp, lay.sequence_parallel)
     ckpt_layer_tok = resid * h / (lay.tp if lay.sequence_parallel else 1)
-    shared_tok = 8 + 8 * args.head_dim + (d.seq_len if mask else 0)  # token ids, rotary cos/sin, bool mask
+    doc_masks = attention == "blocked" and not d.pack_sample_into_one  # packed documents: the CPU block masks
+    # token ids, rotary cos/sin, bool document mask
+    shared_tok = 8 + 8 * args.head_dim + (d.seq_len if mask else keys_per_query(d.seq_len) if doc_masks else 0)
     layers_act = (L_stage - n_ckpt) * per_layer_tok + n_ckpt * ckpt_layer_tok + (per_layer_tok if n_ckpt else 0)
     first_stage_act = tokens_mb * in_flight * (layers_act + shared_tok)
     # flash-attn's cross entropy (used with flash-attn) keeps no fp32 log-softmax; torch's keeps one (4V)
@@ -248,6 +267,7 @@ def estimate(cfg: Config, world_size: int = 1, precision: str = "internlm_core",
         notes.append(f"precision internlm: bf16 parameters + gradients on every rank (4 B/parameter), fp32 master "
                      f"weights + AdamW moments (12 B/parameter) sharded over zero1 ({lay.dp_shard})")
     notes.append(f"attention {attention}" + (" with a packed-document mask per layer (a*s bytes per token)" if mask
+                                             else " (probabilities kept for backward)" if attention == "blocked"
                                              else " (no attention matrix kept)"))
     if n_ckpt:
         notes.append(f"activation checkpointing: {n_ckpt} of {L_stage} layers per stage keep only their input")

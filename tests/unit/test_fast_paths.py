@@ -1,5 +1,5 @@
-"""The CPU fast paths against their reference paths: fused chunked cross entropy vs torch's, per-document
-(bucketed) SDPA vs the dense document mask."""
+"""The CPU fast paths against their reference paths: fused chunked cross entropy vs torch's, blocked matmul
+attention (causal, and with per-block document masks) vs SDPA (causal, and with the dense document mask)."""
 
 import pytest
 import torch
@@ -7,7 +7,9 @@ import torch.nn.functional as F
 
 import internlm_core.loss as loss_module
 from internlm_core.loss import FlashGPTLMLoss, _ChunkedCrossEntropy
-from internlm_core.model.attention import PackedMeta, attention, build_packed_meta
+from internlm_core.model.attention import (PackedMeta, _causal_document_mask, attention, block_document_masks,
+                                           blocked_causal_attention, build_packed_meta,
+                                           document_ids_from_cu_seqlens)
 
 
 @pytest.mark.parametrize("compiled", [False, True])
@@ -48,19 +50,24 @@ def test_reference_cross_entropy_when_asked_or_smoothing():
         assert loss_fn.last_predictions is None
 
 
-@pytest.mark.parametrize("kv_heads", [4, 2])
-def test_segment_attention_equals_dense_document_mask(kv_heads):
+@pytest.mark.parametrize("kv_heads,block", [(4, 256), (2, 256), (4, 32), (2, 48)])
+def test_blocked_document_attention_equals_dense_document_mask(kv_heads, block):
     g = torch.Generator().manual_seed(1)
     B, T, H, D = 3, 128, 4, 16
     cu = torch.tensor([0, 5, 70, 128, 129, 200, 256, 300, 384], dtype=torch.int32)  # a 1-token document too
+    seg = document_ids_from_cu_seqlens(cu, B, T)
     meta = build_packed_meta(cu, B, T, "sdpa", torch.device("cpu"))
-    assert meta.segments is not None and meta.mask is not None
-    dense = PackedMeta(None, meta.max_seqlen, meta.mask)
+    assert meta.block_masks is not None and meta.mask is None
+    dense = PackedMeta(None, meta.max_seqlen, _causal_document_mask(seg))
     q = torch.randn(B, T, H, D, generator=g, requires_grad=True)
     k = torch.randn(B, T, kv_heads, D, generator=g, requires_grad=True)
     v = torch.randn(B, T, kv_heads, D, generator=g, requires_grad=True)
     w = torch.randn(B, T, H, D, generator=g)
-    a = attention(q, k, v, meta, "sdpa")
+    if block == 256:  # the trainer's path
+        a = attention(q, k, v, meta, "sdpa")
+    else:  # several query blocks, also one not dividing T
+        a = blocked_causal_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), block,
+                                     masks=block_document_masks(seg, block)).transpose(1, 2)
     b = attention(q, k, v, dense, "sdpa")
     assert (a - b).abs().max().item() < 1e-5
     ga = torch.autograd.grad((a * w).sum(), (q, k, v))
@@ -71,7 +78,6 @@ def test_segment_attention_equals_dense_document_mask(kv_heads):
 
 @pytest.mark.parametrize("kv_heads,T,block", [(4, 128, 32), (2, 100, 32), (4, 64, 256)])
 def test_blocked_causal_attention_equals_sdpa(kv_heads, T, block):
-    from internlm_core.model.attention import blocked_causal_attention
     g = torch.Generator().manual_seed(2)
     N, H, D = 2, 4, 16
     q = torch.randn(N, H, T, D, generator=g, requires_grad=True)

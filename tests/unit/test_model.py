@@ -51,8 +51,10 @@ def test_one_document_per_row_uses_plain_causal_path():
     meta = build_packed_meta(cu, 2, 32, "sdpa", torch.device("cpu"))
     assert meta.mask is None and meta.cu_seqlens is None
     meta = build_packed_meta(torch.tensor([0, 10, 32, 64], dtype=torch.int32), 2, 32, "sdpa", torch.device("cpu"))
-    assert meta.mask.shape == (2, 1, 32, 32)
-    assert not meta.mask[0, 0, 10, 9] and meta.mask[0, 0, 9, 0] and not meta.mask[0, 0, 0, 1]
+    # on CPU: one block mask per query block (True = masked out: another document or the future)
+    (m,) = meta.block_masks
+    assert meta.mask is None and m.shape == (2, 1, 32, 32)
+    assert m[0, 0, 10, 9] and not m[0, 0, 9, 0] and m[0, 0, 0, 1] and not m[1, 0, 31, 0]
 
 
 def test_cu_seqlens_without_row_boundaries_is_rejected():
