@@ -91,12 +91,12 @@ def _causal_document_mask(seg: torch.Tensor) -> torch.Tensor:
     return (same_doc & causal).unsqueeze(1)
 
 
-def block_document_masks(seg: torch.Tensor, block: Optional[int] = None) -> Optional[list[torch.Tensor]]:
+def block_document_masks(seg: torch.Tensor, block: Optional[int] = None) -> list[torch.Tensor]:
     """For `blocked_causal_attention` over packed rows: per query block [s, e), bool [B, 1, e - s, e], True
     where query and key lie in different documents or the key is in the future. `seg` [B, T] document ids."""
     B, T = seg.shape
     block = block or CAUSAL_BLOCK
-    future = torch.ones(T, T, dtype=torch.bool, device=seg.device).triu(1)
+    future = _future_mask(T, seg.device)
     masks = []
     for s in range(0, T, block):
         e = min(s + block, T)
@@ -108,9 +108,7 @@ def block_document_masks(seg: torch.Tensor, block: Optional[int] = None) -> Opti
 def _layout_for_documents(seg: torch.Tensor, device: torch.device) -> tuple[Optional[torch.Tensor], Optional[list]]:
     """(dense SDPA mask, CPU block masks) for rows holding several documents; one of them is None."""
     if device.type == "cpu":
-        blocks = block_document_masks(seg.to(device))
-        if blocks is not None:
-            return None, blocks
+        return None, block_document_masks(seg.to(device))
     return _causal_document_mask(seg.to(device)), None
 
 

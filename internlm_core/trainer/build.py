@@ -64,7 +64,7 @@ def setup_numerics(cfg: Config, seed: int) -> None:
 
 def build_loss(cfg: Config) -> FlashGPTLMLoss:
     return FlashGPTLMLoss(parallel_output=cfg.model.parallel_output, label_smoothing=cfg.loss.label_smoothing,
-                          compile=cfg.model.compile)
+                          compiled=cfg.model.compile)
 
 
 def build_schedulers(cfg: Config, optimizer: torch.optim.Optimizer) -> tuple[WarmupCosineLR, Beta2Scheduler]:

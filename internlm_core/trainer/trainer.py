@@ -20,8 +20,8 @@ from ..metrics import AccPerplex, Throughput
 from ..model import document_ids_from_cu_seqlens
 from ..optim import Beta2Scheduler, DynamicGradScaler, WarmupCosineLR, clip_and_check
 from ..utils.logging import get_logger
-from ..utils.timer import Timers
 from ..utils.memory import keep_freed_cpu_memory
+from ..utils.timer import Timers
 from ..utils.writer import MetricsWriter
 from ..callbacks import CallbackList
 from .hooks import HookList

@@ -21,7 +21,7 @@ def test_fused_cross_entropy_equals_torch(dtype, compiled, monkeypatch):
     x = (3 * torch.randn(n, v, generator=g)).to(dtype).requires_grad_()
     y = torch.randint(0, v, (n,), generator=g)
     y[::7] = -100
-    fused = FlashGPTLMLoss(compile=compiled)
+    fused = FlashGPTLMLoss(compiled=compiled)
     # the mean (the gradient computed in forward as is), a power-of-two and another factor, per-token weights
     w = torch.rand(n, generator=g)
     for outer in (lambda l, t: l, lambda l, t: 0.5 * l, lambda l, t: 3.0 * l, lambda l, t: (t * w).sum()):
