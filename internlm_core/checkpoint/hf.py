@@ -140,7 +140,7 @@ def hf_config(cfg: Any, torch_dtype: str = "float32", special_ids: Optional[Mapp
     rope_theta is written both at the top level (transformers 4.x, vLLM) and in `rope_parameters`
     (transformers 5), so every reader finds it.
     """
-    from ..config import ffn_width
+    from ..model import ffn_width
 
     m = cfg.model
     if m.apply_post_layer_norm:

@@ -16,6 +16,7 @@ from typing import Any, Iterable, Mapping
 import yaml
 
 from ..errors import ConfigError
+from ..model.spec import get_model_spec
 from .schema import Config, LoadCkptInfo
 
 _DTYPES = {
@@ -24,7 +25,6 @@ _DTYPES = {
     "torch.bfloat16": "torch.bfloat16", "bfloat16": "torch.bfloat16", "bf16": "torch.bfloat16",
     "torch.float16": "torch.float16", "float16": "torch.float16", "fp16": "torch.float16", "torch.half": "torch.float16",
 }
-_MODEL_TYPES = ("INTERNLM", "INTERNLM2", "LLAMA")
 _CONTENTS = ("model", "sampler", "optimizer", "scheduler", "all")
 
 
@@ -92,6 +92,14 @@ def apply_overrides(raw: dict, overrides: Iterable[tuple[list[str], Any]]) -> di
     return raw
 
 
+def strip_location_prefix(location: str) -> str:
+    """A checkpoint location without InternLM's `local:` / `boto3:` prefixes: a plain path or an s3:// URL."""
+    for prefix in ("local:", "boto3:"):
+        if location.startswith(prefix):
+            location = location[len(prefix):]
+    return location
+
+
 def _normalize_internlm_forms(raw: dict) -> dict:
     """Map InternLM's alternative spellings onto the flat schema (zero1/pipeline/tensor dicts, grad_scaler.fp16)."""
     raw = dict(raw)
@@ -126,12 +134,11 @@ def _normalize_internlm_forms(raw: dict) -> dict:
     ckpt = raw.get("ckpt")
     if isinstance(ckpt, dict):
         ckpt = dict(ckpt)
-        for k in ("save_ckpt_folder",):
-            if isinstance(ckpt.get(k), str) and ckpt[k].startswith("local:"):
-                ckpt[k] = ckpt[k][len("local:"):]
+        if isinstance(ckpt.get("save_ckpt_folder"), str):
+            ckpt["save_ckpt_folder"] = strip_location_prefix(ckpt["save_ckpt_folder"])
         info = ckpt.get("load_ckpt_info")
-        if isinstance(info, dict) and isinstance(info.get("path"), str) and info["path"].startswith("local:"):
-            ckpt["load_ckpt_info"] = dict(info, path=info["path"][len("local:"):])
+        if isinstance(info, dict) and isinstance(info.get("path"), str):
+            ckpt["load_ckpt_info"] = dict(info, path=strip_location_prefix(info["path"]))
         # InternLM's legacy keys
         if "load_ckpt_folder" in ckpt or "load_model_only_folder" in ckpt:
             folder = ckpt.pop("load_ckpt_folder", None)
@@ -253,11 +260,11 @@ def fill_defaults(cfg: Config) -> None:
     if d.seed is None:
         d.seed = cfg.seed
     m.dtype = _DTYPES.get(str(m.dtype), m.dtype)
-    cfg.model_type = cfg.model_type.upper()
+    spec = get_model_spec(cfg.model_type)  # the family's canonical name; its own defaults
+    cfg.model_type = spec.name
     if m.num_kv_attention_heads is None:
         m.num_kv_attention_heads = m.num_attention_heads
-    if m.qkv_bias is None:
-        m.qkv_bias = cfg.model_type == "INTERNLM"
+    spec.fill_defaults(m)
     if cfg.use_fp32_norm:
         m.use_fp32_norm = True
     if cfg.lr_scheduler.total_steps is None:
@@ -271,14 +278,6 @@ def fill_defaults(cfg: Config) -> None:
     info = cfg.ckpt.load_ckpt_info
     if info is not None and isinstance(info, LoadCkptInfo):
         info.content = tuple(c.lower() for c in info.content)
-
-
-def ffn_width(m) -> int:
-    """InternLM's FeedForward width: int(hidden * mlp_ratio) rounded up to `multiple_of`."""
-    if m.intermediate_size is not None:
-        return m.intermediate_size
-    hidden = int(m.hidden_size * m.mlp_ratio)
-    return m.multiple_of * ((hidden + m.multiple_of - 1) // m.multiple_of)
 
 
 def check_consistency(cfg: Config, world_size: int | None = None) -> None:
@@ -297,28 +296,9 @@ def check_consistency(cfg: Config, world_size: int | None = None) -> None:
                           f"({d.seq_len} * {d.micro_bsz} = {d.seq_len * d.micro_bsz})")
     if d.rampup_batch_size:
         raise ConfigError("data.rampup_batch_size: batch-size ramp-up is not supported; leave it empty")
-    if cfg.model_type not in _MODEL_TYPES:
-        raise ConfigError(f"model_type: expected one of {', '.join(_MODEL_TYPES)}, got {cfg.model_type!r}"
-                          f"{_closest(cfg.model_type, _MODEL_TYPES)}")
     if m.dtype not in set(_DTYPES.values()):
         raise ConfigError(f"model.dtype: expected one of torch.float32, torch.tf32, torch.bfloat16, torch.float16, "
                           f"got {m.dtype!r}")
-    if m.hidden_size % m.num_attention_heads:
-        raise ConfigError(f"model.num_attention_heads ({m.num_attention_heads}) must divide model.hidden_size "
-                          f"({m.hidden_size}): each head gets hidden_size / num_attention_heads channels")
-    if (m.hidden_size // m.num_attention_heads) % 2:
-        raise ConfigError(f"model.hidden_size / model.num_attention_heads = {m.hidden_size // m.num_attention_heads} "
-                          f"must be even for rotary embeddings")
-    if m.num_kv_attention_heads < 1 or m.num_attention_heads % m.num_kv_attention_heads:
-        raise ConfigError(f"model.num_kv_attention_heads ({m.num_kv_attention_heads}) must divide "
-                          f"model.num_attention_heads ({m.num_attention_heads}) for grouped-query attention")
-    if cfg.model_type == "INTERNLM" and m.num_kv_attention_heads != m.num_attention_heads:
-        raise ConfigError("model.num_kv_attention_heads: model_type INTERNLM (v1) has no grouped-query attention; "
-                          "use model_type INTERNLM2 or LLAMA")
-    if m.norm_type != "rmsnorm":
-        raise ConfigError(f"model.norm_type: only 'rmsnorm' is supported, got {m.norm_type!r}")
-    if m.attn_backend not in ("auto", "flash", "sdpa"):
-        raise ConfigError(f"model.attn_backend: expected auto, flash or sdpa, got {m.attn_backend!r}")
     ck = m.checkpoint
     if not isinstance(ck, bool) and not 0.0 <= float(ck) <= 1.0:
         raise ConfigError(f"model.checkpoint: expected True, False or a fraction in [0, 1], got {ck!r}")
@@ -348,24 +328,12 @@ def check_consistency(cfg: Config, world_size: int | None = None) -> None:
     if p.pipeline > 1 and m.num_layers % (p.pipeline * m.num_chunks):
         raise ConfigError(f"model.num_layers ({m.num_layers}) must be divisible by parallel.pipeline * model.num_chunks "
                           f"({p.pipeline} * {m.num_chunks}) to split the layers into pipeline stages")
-    if p.pipeline > 1 and m.tie_word_embeddings:
-        raise ConfigError("model.tie_word_embeddings: not supported with parallel.pipeline > 1 "
-                          "(the embedding and the output live on different stages)")
     if p.pipeline > 1 and d.micro_num < p.pipeline:
         raise ConfigError(f"data.micro_num ({d.micro_num}) must be at least parallel.pipeline ({p.pipeline}) "
                           f"to keep every stage busy")
-    if p.tensor > 1:
-        if m.num_attention_heads % p.tensor or m.num_kv_attention_heads % p.tensor:
-            raise ConfigError(f"parallel.tensor ({p.tensor}) must divide model.num_attention_heads "
-                              f"({m.num_attention_heads}) and model.num_kv_attention_heads ({m.num_kv_attention_heads})")
-        if m.vocab_size % p.tensor:
-            raise ConfigError(f"parallel.tensor ({p.tensor}) must divide model.vocab_size ({m.vocab_size}) "
-                              f"for the vocabulary-parallel embedding and output")
-        if ffn_width(m) % p.tensor:
-            raise ConfigError(f"parallel.tensor ({p.tensor}) must divide the FFN width ({ffn_width(m)})")
-        if p.sequence_parallel and d.seq_len % p.tensor:
-            raise ConfigError(f"parallel.sequence_parallel: data.seq_len ({d.seq_len}) must be divisible by "
-                              f"parallel.tensor ({p.tensor})")
+    if p.tensor > 1 and m.vocab_size % p.tensor:
+        raise ConfigError(f"parallel.tensor ({p.tensor}) must divide model.vocab_size ({m.vocab_size}) "
+                          f"for the vocabulary-parallel embedding and output")
     if p.sequence_parallel and p.tensor == 1:
         raise ConfigError("parallel.sequence_parallel: needs parallel.tensor > 1")
     if world_size is not None:
@@ -377,6 +345,7 @@ def check_consistency(cfg: Config, world_size: int | None = None) -> None:
         if p.zero1 > 1 and dp % p.zero1:
             raise ConfigError(f"parallel.zero1 ({p.zero1}) must divide the data-parallel size ({dp} = world size "
                               f"{world_size} / (tensor {p.tensor} * pipeline {p.pipeline}))")
+    get_model_spec(cfg.model_type).validate(cfg)  # the family's own rules (heads, norms, its parallel plan)
 
 
 def load_config(path: str | Path, overrides: Iterable[str] = (), world_size: int | None = None) -> Config:

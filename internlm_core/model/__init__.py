@@ -1,11 +1,21 @@
-"""The transformer family, attention backends and the model registry."""
+"""Model families (one folder each, registered by `model_type`), their specs, and the shared layers.
 
+    spec = get_model_spec(cfg.model_type)          # ModelSpec: module, plan, adapters, config rules
+    model = build_model(cfg, device)
+"""
+
+from .args import ModelArgs, analytic_parameter_count, args_from_model_config, ffn_width, flops_per_token
 from .attention import (PackedMeta, build_packed_meta, cu_seqlens_from_document_ids, document_ids_from_cu_seqlens,
                         flash_attn_available, select_attention_backend)
-from .builder import MODEL_REGISTRY, apply_activation_checkpointing, build_model, model_args_from_config
-from .transformer import ModelArgs, Transformer, analytic_parameter_count, count_parameters, flops_per_token
+from .builder import build_model, count_parameters, model_args_from_config, model_flops_per_token, model_spec
+from .spec import (ModelSpec, ParallelPlan, StateDictAdapter, TensorParallelOptions, canonical_model_type,
+                   get_model_spec, model_types, register_model, unregister_model)
+from . import internlm, internlm2, llama  # noqa: E402,F401  (the built-in families register themselves)
+from .internlm.model import Transformer
 
-__all__ = ["MODEL_REGISTRY", "ModelArgs", "PackedMeta", "Transformer", "analytic_parameter_count",
-           "apply_activation_checkpointing", "build_model", "build_packed_meta", "count_parameters",
-           "cu_seqlens_from_document_ids", "document_ids_from_cu_seqlens",
-           "flash_attn_available", "flops_per_token", "model_args_from_config", "select_attention_backend"]
+__all__ = ["ModelArgs", "ModelSpec", "PackedMeta", "ParallelPlan", "StateDictAdapter", "TensorParallelOptions",
+           "Transformer", "analytic_parameter_count", "args_from_model_config", "build_model", "build_packed_meta",
+           "canonical_model_type", "count_parameters", "cu_seqlens_from_document_ids",
+           "document_ids_from_cu_seqlens", "ffn_width", "flash_attn_available", "flops_per_token",
+           "get_model_spec", "model_args_from_config", "model_flops_per_token", "model_spec", "model_types",
+           "register_model", "select_attention_backend", "unregister_model"]

@@ -1,51 +1,41 @@
-"""Build a model from the config: the registry by `model_type`."""
+"""Build a model from the config through its family's spec."""
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import Any
 
 import torch
 
-from ..config import Config, ffn_width
 from .attention import select_attention_backend
-from .transformer import ModelArgs, Transformer
-
-# model_type → the class that implements it; every family here shares one readable Transformer.
-MODEL_REGISTRY: dict[str, Callable[[ModelArgs], torch.nn.Module]] = {
-    "INTERNLM": Transformer,
-    "INTERNLM2": Transformer,
-    "LLAMA": Transformer,
-}
+from .spec import ModelSpec, get_model_spec
 
 
-def model_args_from_config(cfg: Config, device_type: str = "cpu", quiet: bool = False) -> ModelArgs:
-    """Resolve the model section (and the attention backend for this device) into ModelArgs."""
+def model_spec(cfg: Any) -> ModelSpec:
+    """The spec of `cfg.model_type`."""
+    return get_model_spec(cfg.model_type)
+
+
+def model_args_from_config(cfg: Any, device_type: str = "cpu", quiet: bool = False) -> Any:
+    """The family's module args from the config (and the attention backend for this device)."""
     m = cfg.model
-    return ModelArgs(
-        vocab_size=m.vocab_size, hidden_size=m.hidden_size, num_layers=m.num_layers,
-        num_heads=m.num_attention_heads, num_kv_heads=m.num_kv_attention_heads, ffn_width=ffn_width(m),
-        max_seqlen=cfg.data.seq_len, qkv_bias=bool(m.qkv_bias), norm_eps=m.layer_norm_epsilon,
-        rope_base=m.rope_base, tie_word_embeddings=m.tie_word_embeddings, init_std=m.init_std,
-        embed_grad_scale=m.embed_grad_scale, apply_post_layer_norm=m.apply_post_layer_norm,
-        use_fp32_norm=m.use_fp32_norm,
-        attn_backend=select_attention_backend(m.attn_backend, m.use_flash_attn, device_type, quiet=quiet),
-    )
+    backend = select_attention_backend(m.attn_backend, m.use_flash_attn, device_type, quiet=quiet)
+    return model_spec(cfg).build_args(cfg, backend)
 
 
-def build_model(cfg: Config, device: torch.device | str = "cpu") -> torch.nn.Module:
+def build_model(cfg: Any, device: torch.device | str = "cpu") -> torch.nn.Module:
     """The model of `cfg.model_type`, initialized on `device` ("meta" builds without allocating)."""
     device = torch.device(device)
     args = model_args_from_config(cfg, "cuda" if device.type == "cuda" else device.type)
     with torch.device(device):
-        model = MODEL_REGISTRY[cfg.model_type](args)
-    return model
+        return model_spec(cfg).module(args)
 
 
-def apply_activation_checkpointing(model: torch.nn.Module, setting: bool | float) -> int:
-    """Recompute the first round(fraction * L) blocks in backward (InternLM's `model.checkpoint`); returns how many."""
-    layers = list(getattr(model, "layers").values())
-    frac = 1.0 if setting is True else 0.0 if setting is False else float(setting)
-    n = round(frac * len(layers))
-    for i, layer in enumerate(layers):
-        layer.use_checkpoint = i < n
-    return n
+def count_parameters(model: torch.nn.Module) -> int:
+    """Number of distinct parameters (tied weights counted once)."""
+    return sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
+
+
+def model_flops_per_token(cfg: Any, args: Any) -> int:
+    """Model FLOPs per trained token of `cfg`'s family (0 when the family does not say)."""
+    fn = model_spec(cfg).flops_per_token
+    return int(fn(args, cfg.data.seq_len)) if fn is not None else 0

@@ -2,18 +2,16 @@
 
 from __future__ import annotations
 
-from typing import Optional
-
 import torch.nn as nn
 from torch.distributed.fsdp import fully_shard
 
 from ..distributed.parallel_dims import ParallelDims
 
 
-def apply_fsdp(model: nn.Module, dims: ParallelDims, roots: Optional[list[nn.Module]] = None,
-               reshard_after_forward: bool = True) -> nn.Module:
-    """Shard every block, then each root (the model, or each pipeline chunk: embedding, norm, output),
-    over the data-parallel mesh.
+def apply_fsdp(blocks: list[nn.Module], roots: list[nn.Module], dims: ParallelDims,
+               reshard_after_forward: bool = True) -> None:
+    """Shard every block, then each root (the model, or each pipeline chunk: what is left, e.g. embedding,
+    norm, output), over the data-parallel mesh.
 
     zero1 <= 0: shard over all of dp; zero1 == 1: shard size 1, i.e. plain replication (DDP
     semantics: gradients all-reduced, full optimizer state per rank); zero1 == k: shard within
@@ -26,9 +24,8 @@ def apply_fsdp(model: nn.Module, dims: ParallelDims, roots: Optional[list[nn.Mod
     """
     mesh = dims.mesh
     dp_mesh = mesh["dp_replicate", "dp_shard"] if dims.dp_replicate > 1 else mesh["dp_shard"]
-    for layer in model.layers.values():
-        fully_shard(layer, mesh=dp_mesh, reshard_after_forward=reshard_after_forward)
-    for root in roots or [model]:
+    for block in blocks:
+        fully_shard(block, mesh=dp_mesh, reshard_after_forward=reshard_after_forward)
+    for root in roots:
         # the root's own parameters (embedding, norm, output) are used first thing in backward: keep them gathered
         fully_shard(root, mesh=dp_mesh, reshard_after_forward=False)
-    return model

@@ -1,10 +1,9 @@
 """Pipeline parallel: a manual stage split that keeps parameter names, run by torch.distributed.pipelining.
 
-The model's `parallel.pipeline * model.num_chunks` virtual stages each get an equal, contiguous run of
-blocks; stage 0 also holds the embedding, the last stage the final norm and the output. Rank r of the
-pipeline group runs stages r, r + pipeline, ... (torch's "loop" placement; more than one stage per rank
-is the interleaved schedule). Training steps use `Schedule1F1B` (one stage per rank) or
-`ScheduleInterleaved1F1B`, with `data.micro_num` micro-batches per step, the loss on the last stage and
+The model's `parallel.pipeline * model.num_chunks` virtual stages are cut by the family's plan
+(`ParallelPlan.split_stages`). Rank r of the pipeline group runs stages r, r + pipeline, ... (torch's
+"loop" placement; more than one stage per rank is the interleaved schedule). Training steps use
+`Schedule1F1B` (one stage per rank) or `ScheduleInterleaved1F1B`, with `data.micro_num` micro-batches per step, the loss on the last stage and
 gradients divided by the number of micro-batches, as in the non-pipeline path. Evaluation runs a plain
 forward-only loop with point-to-point sends (no autograd, any number of micro-batches).
 """
@@ -21,58 +20,18 @@ from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleIn
 from torch.distributed.tensor import DTensor, Shard
 
 from ..errors import ConfigError
+from ..model import ParallelPlan
 
 
-def stage_layers(num_layers: int, num_stages: int, stage: int) -> list[str]:
-    """Names (keys of `model.layers`) of the blocks of one virtual stage."""
-    if num_layers % num_stages:
-        raise ConfigError(f"model.num_layers ({num_layers}) must be divisible by parallel.pipeline * model.num_chunks "
-                          f"({num_stages}) to split the layers into pipeline stages")
-    per = num_layers // num_stages
-    return [str(i) for i in range(stage * per, (stage + 1) * per)]
-
-
-def split_model(model: nn.Module, pp_rank: int, pp_size: int, num_chunks: int
+def split_model(model: nn.Module, plan: ParallelPlan, pp_rank: int, pp_size: int, num_chunks: int
                 ) -> tuple[nn.Module, list[nn.Module], list[int]]:
-    """Prune `model` to what pipeline rank `pp_rank` runs; returns (model, chunks, stage_ids).
-
-    `model` keeps the parameter names of the full model (layers keyed by their global index), so the
-    optimizer, clipping and checkpoints see one module per rank. `chunks[i]` runs virtual stage
-    `stage_ids[i]` and shares its modules with `model` (it *is* `model` when num_chunks == 1).
-    """
-    num_stages = pp_size * num_chunks
-    if num_stages > 1 and model.output is not None and model.tok_embeddings is not None \
-            and model.output.weight is model.tok_embeddings.weight:
-        raise ConfigError("model.tie_word_embeddings: not supported with parallel.pipeline > 1 "
-                          "(the embedding and the output live on different stages)")
+    """Prune `model` to what pipeline rank `pp_rank` runs (the family's `plan.split_stages`);
+    returns (model, chunks, stage_ids): rank r runs virtual stages r, r + pp_size, ... (torch's loop placement)."""
+    if plan.split_stages is None:
+        raise ConfigError("parallel.pipeline: this model family has no pipeline split")
     stage_ids = [pp_rank + c * pp_size for c in range(num_chunks)]
-    owned = {name: s for s in stage_ids for name in stage_layers(len(model.layers), num_stages, s)}
-    for name in list(model.layers.keys()):
-        if name not in owned:
-            del model.layers[name]
-    if 0 not in stage_ids:
-        model.tok_embeddings = None
-    if num_stages - 1 not in stage_ids:
-        model.norm = None
-        model.output = None
-    if num_chunks == 1:
-        return model, [model], stage_ids
-    return model, [_chunk_view(model, s, num_stages, [n for n, t in owned.items() if t == s]) for s in stage_ids], stage_ids
-
-
-def _chunk_view(model: nn.Module, stage: int, num_stages: int, layer_names: list[str]) -> nn.Module:
-    """A Transformer of the same class running one virtual stage with `model`'s own submodules."""
-    chunk = type(model).__new__(type(model))
-    nn.Module.__init__(chunk)  # fresh hooks and registries (FSDP installs its own on each chunk)
-    chunk.args = model.args
-    chunk.tok_embeddings = model.tok_embeddings if stage == 0 else None
-    chunk.layers = nn.ModuleDict({name: model.layers[name] for name in layer_names})
-    last = stage == num_stages - 1
-    chunk.norm = model.norm if last else None
-    chunk.output = model.output if last else None
-    chunk.register_buffer("rope_cos", model.rope_cos, persistent=False)
-    chunk.register_buffer("rope_sin", model.rope_sin, persistent=False)
-    return chunk
+    model, chunks = plan.split_stages(model, stage_ids, pp_size * num_chunks)
+    return model, chunks, stage_ids
 
 
 # The schedule runs a forward and backward of the first micro-batch to learn the shapes the stages

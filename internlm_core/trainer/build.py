@@ -17,7 +17,7 @@ from ..loss import FlashGPTLMLoss
 from ..metrics import AccPerplex, Throughput
 from ..monitor import (AlertManager, build_loss_health, build_stop_controller, build_straggler_monitor,
                        build_watchdog)
-from ..model import build_model, count_parameters, flops_per_token, model_args_from_config
+from ..model import build_model, count_parameters, model_args_from_config, model_flops_per_token, model_spec
 from ..optim import Beta2Scheduler, DynamicGradScaler, WarmupCosineLR, build_optimizer
 from ..parallel import parallelize_model
 from ..utils.logging import get_logger
@@ -130,10 +130,10 @@ def build_trainer(cfg: Config, launch: LaunchInfo, run_dir: Path, seed: Optional
 
     model = build_model(cfg, launch.device)
     n_params = count_parameters(model)
-    model, pipeline = parallelize_model(model, cfg, dims, launch.device)
+    model, pipeline = parallelize_model(model, model_spec(cfg), cfg, dims, launch.device)
     args = model_args_from_config(cfg, launch.device.type, quiet=True)
     logger.info(f"model {cfg.model_type}: {n_params:,} parameters, {cfg.model.num_layers} layers, "
-                f"hidden {cfg.model.hidden_size}, attention {args.attn_backend}, dtype {cfg.model.dtype}; "
+                f"hidden {cfg.model.hidden_size}, attention {getattr(args, 'attn_backend', '-')}, dtype {cfg.model.dtype}; "
                 f"layout dp={dims.dp} (shard {dims.dp_shard} x replicate {dims.dp_replicate}) "
                 f"tp={dims.tp} pp={dims.pp} on {launch.world_size} process(es), {launch.device}")
 
@@ -147,7 +147,7 @@ def build_trainer(cfg: Config, launch: LaunchInfo, run_dir: Path, seed: Optional
                            tensorboard_dir=state.tensorboard_folder if cfg.monitor.tensorboard else None,
                            log_every=cfg.monitor.log_every)
     peak = device_peak_flops(launch.device, COMPUTE_DTYPES[cfg.model.dtype])
-    throughput = Throughput(flops_per_token(args, cfg.data.seq_len), launch.world_size, peak)
+    throughput = Throughput(model_flops_per_token(cfg, args), launch.world_size, peak)
     timers = Timers(cuda_sync=False)
     type_names = getattr(train_loader, "type_names", None) or {}
     # summed over data parallel x pipeline: each micro-batch counted once (only the last stage has outputs)

@@ -93,7 +93,7 @@ def test_blocked_causal_attention_equals_sdpa(kv_heads, T, block):
 
 @pytest.mark.parametrize("bias", [False, True])
 def test_onednn_linear_equals_f_linear(bias):
-    from internlm_core.model.transformer import Linear
+    from internlm_core.model.layers import Linear
     g = torch.Generator().manual_seed(3)
     lin = Linear(24, 40, bias=bias)
     x = torch.randn(3, 7, 24, generator=g, requires_grad=True)

@@ -10,8 +10,12 @@ from internlm_core.distributed import ParallelDims
 from internlm_core.errors import ConfigError
 from internlm_core.model import (build_model, build_packed_meta, cu_seqlens_from_document_ids,
                                  document_ids_from_cu_seqlens)
-from internlm_core.parallel import split_model, stage_layers
-from internlm_core.parallel.tensor_parallel import block_plan, root_plan
+from internlm_core.model import get_model_spec
+from internlm_core.model.internlm.parallelize import block_plan, root_plan
+from internlm_core.model.parallel_styles import stage_layers
+from internlm_core.parallel import split_model
+
+PLAN = get_model_spec("INTERNLM").plan
 
 
 def small_cfg(num_layers=4, **model):
@@ -53,7 +57,7 @@ def test_split_keeps_parameter_names_and_shares_modules():
     full = build_model(small_cfg(num_layers=8))
     names = dict(full.named_parameters())
     # rank 1 of pipeline 2 with 2 chunks: virtual stages 1 and 3 of 4 (layers 2,3 and 6,7; output on 3)
-    model, chunks, stages = split_model(build_model(small_cfg(num_layers=8)), 1, 2, 2)
+    model, chunks, stages = split_model(build_model(small_cfg(num_layers=8)), PLAN, 1, 2, 2)
     assert stages == [1, 3]
     assert list(model.layers.keys()) == ["2", "3", "6", "7"]
     assert model.tok_embeddings is None and model.output is not None
@@ -64,7 +68,7 @@ def test_split_keeps_parameter_names_and_shares_modules():
     assert list(chunks[1].layers.keys()) == ["6", "7"] and chunks[1].output is model.output
     assert chunks[1].layers["6"] is model.layers["6"]  # a view: optimizer and checkpoint see the same tensors
     # rank 0 without chunks: the pruned model is the stage
-    model0, chunks0, stages0 = split_model(build_model(small_cfg(num_layers=8)), 0, 2, 1)
+    model0, chunks0, stages0 = split_model(build_model(small_cfg(num_layers=8)), PLAN, 0, 2, 1)
     assert chunks0 == [model0] and stages0 == [0] and list(model0.layers.keys()) == ["0", "1", "2", "3"]
     assert model0.norm is None and model0.output is None and model0.tok_embeddings is not None
 
@@ -81,7 +85,7 @@ def test_chunks_compute_the_full_model():
     for rank in range(2):
         m = build_model(small_cfg(num_layers=4))
         m.load_state_dict(state)
-        _, chunks, stages = split_model(m, rank, 2, 2)
+        _, chunks, stages = split_model(m, PLAN, rank, 2, 2)
         parts.update(zip(stages, chunks))
     with torch.no_grad():
         h = ids
@@ -94,7 +98,7 @@ def test_chunks_compute_the_full_model():
 
 def test_tied_embeddings_rejected_under_pipeline():
     with pytest.raises(ConfigError, match="model.tie_word_embeddings: not supported with parallel.pipeline > 1"):
-        split_model(build_model(small_cfg(tie_word_embeddings=True)), 0, 2, 1)
+        split_model(build_model(small_cfg(tie_word_embeddings=True)), PLAN, 0, 2, 1)
 
 
 def test_tensor_parallel_plan_covers_every_weight():

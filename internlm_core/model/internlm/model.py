@@ -1,0 +1,138 @@
+"""The InternLM transformer, readable top to bottom (the module of the INTERNLM, INTERNLM2 and LLAMA families).
+
+INTERNLM (v1): RMSNorm, rotary, SwiGLU FFN (width from mlp_ratio), bias on q/k/v/o.
+INTERNLM2 / LLAMA: the same block with grouped-query attention and no bias.
+
+Parameter names are stable across every parallel layout (`layers` is a ModuleDict keyed "0", "1", ...
+so that pipeline stages keep the names of the layers they own); checkpoints and the state-dict adapters
+rely on that.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from ..args import ModelArgs
+from ..attention import PackedMeta, attention, build_packed_meta
+from ..layers import Linear, RMSNorm, apply_rotary, rotary_tables
+
+
+class Attention(nn.Module):
+    def __init__(self, a: ModelArgs):
+        super().__init__()
+        self.head_dim, self.backend = a.head_dim, a.attn_backend
+        self.wq = Linear(a.hidden_size, a.num_heads * a.head_dim, bias=a.qkv_bias)
+        self.wk = Linear(a.hidden_size, a.num_kv_heads * a.head_dim, bias=a.qkv_bias)
+        self.wv = Linear(a.hidden_size, a.num_kv_heads * a.head_dim, bias=a.qkv_bias)
+        self.wo = Linear(a.num_heads * a.head_dim, a.hidden_size, bias=a.qkv_bias)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: PackedMeta) -> torch.Tensor:
+        B, T, _ = x.shape
+        # -1 heads: under tensor parallel each rank holds only its own heads
+        q = self.wq(x).view(B, T, -1, self.head_dim)
+        k = self.wk(x).view(B, T, -1, self.head_dim)
+        v = self.wv(x).view(B, T, -1, self.head_dim)
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        out = attention(q, k, v, meta, self.backend)
+        return self.wo(out.reshape(B, T, -1))
+
+
+class FeedForward(nn.Module):
+    """SwiGLU: w3(silu(w1 x) * w2 x), InternLM's naming."""
+
+    def __init__(self, a: ModelArgs):
+        super().__init__()
+        self.w1 = Linear(a.hidden_size, a.ffn_width, bias=False)
+        self.w2 = Linear(a.hidden_size, a.ffn_width, bias=False)
+        self.w3 = Linear(a.ffn_width, a.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w3(F.silu(self.w1(x)) * self.w2(x))
+
+
+class TransformerBlock(nn.Module):
+    def __init__(self, a: ModelArgs):
+        super().__init__()
+        self.attention_norm = RMSNorm(a.hidden_size, a.norm_eps, a.use_fp32_norm)
+        self.attention = Attention(a)
+        self.ffn_norm = RMSNorm(a.hidden_size, a.norm_eps, a.use_fp32_norm)
+        self.feed_forward = FeedForward(a)
+        self.post_norm = a.apply_post_layer_norm
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: PackedMeta) -> torch.Tensor:
+        if self.post_norm:
+            x = self.attention_norm(x + self.attention(x, cos, sin, meta))
+            return self.ffn_norm(x + self.feed_forward(x))
+        x = x + self.attention(self.attention_norm(x), cos, sin, meta)
+        return x + self.feed_forward(self.ffn_norm(x))
+
+
+class Transformer(nn.Module):
+    """Embedding → blocks → norm → output. Any of them may be None on a pipeline stage that lacks it."""
+
+    def __init__(self, a: ModelArgs):
+        super().__init__()
+        self.args = a
+        self.tok_embeddings: Optional[nn.Embedding] = nn.Embedding(a.vocab_size, a.hidden_size)
+        self.layers = nn.ModuleDict({str(i): TransformerBlock(a) for i in range(a.num_layers)})
+        self.norm: Optional[RMSNorm] = RMSNorm(a.hidden_size, a.norm_eps, a.use_fp32_norm)
+        self.output: Optional[nn.Linear] = Linear(a.hidden_size, a.vocab_size, bias=False)
+        if a.tie_word_embeddings:
+            self.output.weight = self.tok_embeddings.weight
+        cos, sin = rotary_tables(a.head_dim, a.max_seqlen, a.rope_base)
+        self.register_buffer("rope_cos", cos, persistent=False)
+        self.register_buffer("rope_sin", sin, persistent=False)
+        self.init_weights()
+
+    @torch.no_grad()
+    def init_weights(self, buffer_device: Optional[torch.device] = None) -> None:
+        """N(0, init_std) matrices, zero biases, unit norms; also rebuilds the rotary tables (after meta init)."""
+        a = self.args
+        for m in self.modules():
+            if isinstance(m, (nn.Linear, nn.Embedding)):
+                nn.init.normal_(m.weight, std=a.init_std)
+                if getattr(m, "bias", None) is not None:
+                    nn.init.zeros_(m.bias)
+            elif isinstance(m, nn.RMSNorm):
+                nn.init.ones_(m.weight)
+        device = buffer_device or self.rope_cos.device
+        if device.type != "meta":
+            cos, sin = rotary_tables(a.head_dim, a.max_seqlen, a.rope_base)
+            self.rope_cos, self.rope_sin = cos.to(device), sin.to(device)
+
+    def forward(self, input_ids: torch.Tensor, position_ids: Optional[torch.Tensor] = None,
+                cu_seqlens: Optional[torch.Tensor] = None, document_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """input_ids [B, T] → logits [B, T, V]; on a later pipeline stage the input is the previous stage's
+        hidden states (under sequence parallel [B, T / tensor, hidden]) and position_ids are required.
+
+        position_ids: [B, T] position of each token in its document (default 0..T-1 per row).
+        cu_seqlens: int32 document offsets over the flattened B*T tokens (default: one document per row),
+        or document_ids: [B, T] the document of each token (see attention.py).
+        """
+        if position_ids is None:
+            if self.tok_embeddings is None:
+                raise ValueError("position_ids are required when the input is hidden states (a later pipeline stage)")
+            B, T = input_ids.shape
+            position_ids = torch.arange(T, device=input_ids.device).expand(B, T)
+        B, T = position_ids.shape
+        if self.tok_embeddings is not None:
+            h = self.tok_embeddings(input_ids)
+            s = self.args.embed_grad_scale
+            if s != 1.0:  # InternLM's embed_grad_scale: same forward, scaled gradient into the embedding
+                h = s * h + (1.0 - s) * h.detach()
+        else:
+            h = input_ids
+        cos = self.rope_cos[position_ids].unsqueeze(2)
+        sin = self.rope_sin[position_ids].unsqueeze(2)
+        meta = build_packed_meta(cu_seqlens, B, T, self.args.attn_backend, h.device, document_ids)
+        for layer in self.layers.values():
+            h = layer(h, cos, sin, meta)
+        if self.norm is not None:
+            h = self.norm(h)
+        if self.output is not None:
+            h = self.output(h)
+        return h

@@ -1,0 +1,31 @@
+"""INTERNLM2: the InternLM transformer with grouped-query attention and no bias (InternLM2 / InternEvo)."""
+
+from __future__ import annotations
+
+from ..args import analytic_parameter_count, args_from_model_config, flops_per_token
+from ..internlm.model import Transformer
+from ..internlm.parallelize import PLAN
+from ..internlm.rules import bias_default, validate_transformer
+from ..spec import ModelSpec, register_model
+
+# InternLM2's published shapes (internlm/internlm2-7b, -20b on Hugging Face)
+SIZES = {
+    "7B": dict(num_layers=32, hidden_size=4096, num_attention_heads=32, num_kv_attention_heads=8,
+               intermediate_size=14336, vocab_size=92544, rope_base=1e6),
+    "20B": dict(num_layers=48, hidden_size=6144, num_attention_heads=48, num_kv_attention_heads=8,
+                intermediate_size=16384, vocab_size=92544, rope_base=1e6),
+}
+
+SPEC = register_model(ModelSpec(
+    name="INTERNLM2",
+    aliases=("INTERNLM2_PUBLIC",),  # InternEvo's model_type for the same architecture
+    description="InternLM2: grouped-query attention, no bias",
+    module=Transformer,
+    build_args=lambda cfg, attn_backend: args_from_model_config(cfg.model, cfg.data.seq_len, attn_backend),
+    plan=PLAN,
+    fill_defaults=bias_default(False),
+    validate=lambda cfg: validate_transformer(cfg, grouped_query=True),
+    num_parameters=analytic_parameter_count,
+    flops_per_token=flops_per_token,
+    sizes=SIZES,
+))

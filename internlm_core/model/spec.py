@@ -1,0 +1,140 @@
+"""ModelSpec: everything the rest of the framework may know about a model family, and the registry by name.
+
+A family (a folder under `internlm_core/model/`) registers one spec per `model_type`. Nothing outside
+`internlm_core/model/` names a family, a module attribute or a parameter path: the trainer, the parallel
+code, the checkpoint code and the estimator go through these fields.
+
+The contract a family's module fulfils (what the trainer and the pipeline call):
+
+    model(input_ids [B, T], position_ids [B, T], cu_seqlens) -> logits [B, T, V]
+    chunk(x, position_ids=..., document_ids=...)            # a pipeline stage; x: ids or hidden states
+    model.init_weights(buffer_device=None)                  # the initial values (also after a meta build)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional
+
+import torch.nn as nn
+
+from ..errors import ConfigError
+
+
+@dataclass(frozen=True)
+class TensorParallelOptions:
+    """How the tensor-parallel plan is applied (from `parallel` and `model`)."""
+
+    sequence_parallel: bool = False
+    parallel_output: bool = True
+    local_logits: bool = False  # a pipeline stage hands on its vocabulary shard as a plain tensor
+    compile: bool = False
+
+
+@dataclass(frozen=True)
+class ParallelPlan:
+    """How the generic parallel code (internlm_core/parallel) cuts and shards a family's module.
+
+    blocks: the repeated units, in order: activation checkpointing, compile and FSDP wrap each of them.
+    roots: the non-block modules that hold parameters (embedding, final norm, output); FSDP shards them with
+        the root of each pipeline chunk.
+    apply_tensor_parallel(model, tp_mesh, options): shard the module in place with DTensor plans.
+    split_stages(model, stage_ids, num_stages): prune the module to the virtual pipeline stages
+        `stage_ids` (keeping parameter names) and return (model, one runnable chunk per stage).
+    """
+
+    blocks: Callable[[nn.Module], list[nn.Module]]
+    apply_tensor_parallel: Optional[Callable[[nn.Module, Any, TensorParallelOptions], None]] = None
+    split_stages: Optional[Callable[[nn.Module, list[int], int], tuple[nn.Module, list[nn.Module]]]] = None
+
+
+@dataclass(frozen=True)
+class StateDictAdapter:
+    """Converts a family's state dict to and from a foreign format (Hugging Face, InternLM checkpoints).
+
+    to_foreign / from_foreign map whole state dicts (names, and tensors where a format packs them);
+    foreign_config(cfg, dtype_name) -> the foreign config (e.g. HF config.json) of our config;
+    config_from_foreign(foreign_config) -> raw config sections (dict) for our `model` section.
+    """
+
+    format: str
+    to_foreign: Callable[[dict, Any], dict]
+    from_foreign: Callable[[dict, Any], dict]
+    foreign_config: Optional[Callable[..., dict]] = None
+    config_from_foreign: Optional[Callable[[dict], dict]] = None
+    architectures: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """One model family as the framework sees it.
+
+    name: the canonical `model_type`; aliases: other spellings users' configs carry (InternEvo's, ...).
+    build_args(cfg, attn_backend) -> the module's args; module(args) -> the model.
+    fill_defaults(model_cfg): family defaults for unset keys; validate(cfg): family rules (ConfigError).
+    num_parameters(args), flops_per_token(args, seq_len): analytic counts for logs, MFU and estimates.
+    sizes: named shapes ("7B": {model keys}) of the family's published models.
+    adapters: state-dict adapters by format ("hf", "internlm").
+    """
+
+    name: str
+    module: Callable[[Any], nn.Module]
+    build_args: Callable[[Any, str], Any]
+    plan: ParallelPlan
+    aliases: tuple[str, ...] = ()
+    description: str = ""
+    fill_defaults: Callable[[Any], None] = lambda model_cfg: None
+    validate: Callable[[Any], None] = lambda cfg: None
+    num_parameters: Optional[Callable[[Any], int]] = None
+    flops_per_token: Optional[Callable[[Any, int], int]] = None
+    sizes: dict[str, dict] = field(default_factory=dict)
+    adapters: dict[str, StateDictAdapter] = field(default_factory=dict)
+
+
+_SPECS: dict[str, ModelSpec] = {}
+_ALIASES: dict[str, str] = {}
+
+
+def register_model(spec: ModelSpec) -> ModelSpec:
+    """Make `spec` buildable by its name and aliases (case-insensitive); returns it."""
+    for key in (spec.name, *spec.aliases):
+        key = key.upper()
+        owner = _ALIASES.get(key)
+        if owner is not None and owner != spec.name.upper():
+            raise ValueError(f"model_type {key!r} is already registered by {owner}")
+    _SPECS[spec.name.upper()] = spec
+    for key in (spec.name, *spec.aliases):
+        _ALIASES[key.upper()] = spec.name.upper()
+    return spec
+
+
+def unregister_model(name: str) -> None:
+    """Remove a family (tests register toy families and remove them again)."""
+    spec = _SPECS.pop(name.upper(), None)
+    if spec is not None:
+        for key in (spec.name, *spec.aliases):
+            _ALIASES.pop(key.upper(), None)
+
+
+def model_types() -> list[str]:
+    """Canonical names of the registered families, in registration order."""
+    return [s.name for s in _SPECS.values()]
+
+
+def canonical_model_type(model_type: str) -> str:
+    """The canonical name of `model_type` or one of its aliases; ConfigError naming the known ones."""
+    key = str(model_type).upper()
+    if key in _ALIASES:
+        return _SPECS[_ALIASES[key]].name
+    import difflib
+    known = model_types()
+    aliases = sorted(a for a in _ALIASES if a not in _SPECS)
+    match = difflib.get_close_matches(key, known + aliases, n=1, cutoff=0.5)
+    raise ConfigError(f"model_type: expected one of {', '.join(known)}"
+                      + (f" (or the aliases {', '.join(aliases)})" if aliases else "")
+                      + f", got {model_type!r}" + (f"; did you mean {match[0]!r}?" if match else ""))
+
+
+def get_model_spec(model_type: str) -> ModelSpec:
+    """The spec of `model_type` (a name or an alias)."""
+    return _SPECS[canonical_model_type(model_type).upper()]
