@@ -38,7 +38,7 @@ def patch(variant: str) -> None:
 
     off = {"-onednn", "-blocked", "-fused_ce", "-malloc"} if variant == "-all" else {variant}
     if "-onednn" in off:
-        import internlm_core.model.transformer as T
+        import internlm_core.model.layers as T
         T._ONEDNN_LINEAR = False
     if "-blocked" in off:
         import internlm_core.model.attention as A
