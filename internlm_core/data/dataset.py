@@ -1,8 +1,9 @@
 """Datasets: the `.bin` files of a folder (with dataset type ids), or InternLM-style random dummy data.
 
-A `Corpus` is a flat list of documents drawn from several sources (token files or the dummy source), after
-`min_length` filtering: `lengths[k]` and `read_into(out, k, start, stop)` for the k-th kept document, and the
-type id of each document.
+A `DocTable` is the documents of several sources (token files or the dummy source) one after the other: global
+document g is document ``g - starts[s]`` of source s. It holds no per-document array of its own: the effective
+length of each document (0 for one shorter than `min_length`, which packing skips) comes from `lengths`, an array
+on disk read by pread (the training index cache, see index.py) or in memory (validation and dummy data, small).
 
 Dataset type ids (`data.dataset_type_mode`):
 - ``"subfolder"`` (default, InternEvo's rule): the type of a file is the name of the top-level entry of
@@ -16,21 +17,23 @@ Dataset type ids (`data.dataset_type_mode`):
 
 from __future__ import annotations
 
+import bisect
 import os
 import re
-from dataclasses import dataclass
-from typing import Optional, Sequence
+from typing import Optional, Sequence, Union
 
 import numpy as np
 
 from internlm_core.errors import DataError
 from internlm_core.utils.logging import get_logger
 
-from .formats import VERIFY_MAX_BYTES, TokenFile, open_token_file
+from .formats import open_token_file
+from .tokenfile import VERIFY_MAX_BYTES, FileArray, TokenFile
 
 logger = get_logger(__name__)
 
 INTERNLM_TYPE_IDS = {"en": 0, "cn": 1, "code": 2}
+CACHE_DIR_NAME = ".index_cache"  # the default index cache inside a training folder (see index.py)
 
 
 def find_bin_files(folder: str) -> list[str]:
@@ -51,6 +54,7 @@ def find_bin_files(folder: str) -> list[str]:
             continue
         seen.add(real)
         dirs.sort()
+        dirs[:] = [d for d in dirs if d != CACHE_DIR_NAME]  # our index cache is no data
         out.extend(os.path.join(root, f) for f in sorted(files) if f.endswith(".bin"))
     return out
 
@@ -116,6 +120,9 @@ class DummySource:
     def num_docs(self) -> int:
         return len(self.lengths)
 
+    def read_lengths(self, start: int, stop: int) -> np.ndarray:
+        return self.lengths[start:stop]
+
     def doc_location(self, i: int) -> str:
         return f"{self.path}: document {i}"
 
@@ -138,93 +145,102 @@ class DummySource:
         out[:] = self._doc(i)[start:stop]
 
 
-@dataclass
-class Corpus:
-    """The kept documents of some sources, in source order.
+class DocTable:
+    """Documents of `sources` one after the other, with the type id of each source and effective lengths.
 
-    `sources[src[k]]` holds document k as its document `doc[k]`; `lengths[k]` tokens; type id `types[k]`.
+    `lengths[g]`: tokens of document g, 0 when it is shorter than `min_length` (it is skipped); a `FileArray` or a
+    numpy array. `source_tokens[s]`: effective tokens of source s; `tokens_per_type`: {type id: effective tokens}.
     """
 
-    sources: list
-    src: np.ndarray       # int32, source index of each kept document
-    doc: np.ndarray       # int64, document index inside its source
-    lengths: np.ndarray   # int64
-    types: np.ndarray     # int32, type id of each kept document
-    type_names: dict
+    def __init__(self, sources: list, source_types: Sequence[int], type_names: dict,
+                 lengths: Union[FileArray, np.ndarray], source_tokens: Sequence[int]):
+        self.sources = list(sources)
+        self.source_types = np.asarray(source_types, dtype=np.int64)
+        self.type_names = dict(type_names)
+        counts = [int(s.num_docs) for s in self.sources]
+        self.starts = [0]
+        for c in counts:
+            self.starts.append(self.starts[-1] + c)
+        self._starts = np.asarray(self.starts, dtype=np.int64)
+        self.lengths = lengths
+        self.num_docs = self.starts[-1]
+        self.source_tokens = [int(x) for x in source_tokens]
+        self.num_tokens = sum(self.source_tokens)
+        self.tokens_per_type: dict[int, int] = {}
+        for t, n in zip(self.source_types.tolist(), self.source_tokens):
+            self.tokens_per_type[t] = self.tokens_per_type.get(t, 0) + n
 
-    @property
-    def num_docs(self) -> int:
-        return int(self.lengths.shape[0])
+    def locate(self, g: int) -> tuple[int, int]:
+        s = bisect.bisect_right(self.starts, g) - 1
+        return s, g - self.starts[s]
 
-    @property
-    def num_tokens(self) -> int:
-        return int(self.lengths.sum())
+    def length(self, g: int) -> int:
+        return int(self.lengths[g])
 
-    def read_into(self, out: np.ndarray, k: int, start: int, stop: int) -> None:
-        self.sources[self.src[k]].read_into(out, int(self.doc[k]), start, stop)
+    def lengths_range(self, g0: int, g1: int) -> np.ndarray:
+        if isinstance(self.lengths, FileArray):
+            return self.lengths.read(g0, g1).astype(np.int64)
+        return np.asarray(self.lengths[g0:g1], dtype=np.int64)
 
-    def location(self, k: int) -> str:
-        return self.sources[self.src[k]].doc_location(int(self.doc[k]))
+    def type_of(self, g: int) -> int:
+        return int(self.source_types[bisect.bisect_right(self.starts, g) - 1])
+
+    def types_of(self, gs: np.ndarray) -> np.ndarray:
+        return self.source_types[np.searchsorted(self._starts, gs, side="right") - 1]
+
+    def read_into(self, out: np.ndarray, g: int, start: int, stop: int) -> None:
+        s, i = self.locate(g)
+        self.sources[s].read_into(out, i, start, stop)
+
+    def location(self, g: int) -> str:
+        s, i = self.locate(g)
+        return self.sources[s].doc_location(i)
+
+    def source_range(self, s: int) -> tuple[int, int]:
+        return self.starts[s], self.starts[s + 1]
 
     @classmethod
-    def from_sources(cls, sources: list, source_types: Sequence[int], type_names: dict, min_length: int = 0,
-                     what: str = "data") -> "Corpus":
-        srcs, docs, lens, types = [], [], [], []
+    def in_memory(cls, sources: list, source_types: Sequence[int], type_names: dict, min_length: int = 0,
+                  what: str = "data") -> "DocTable":
+        """A table whose lengths are read into memory now (validation and dummy data: small)."""
         keep_min = max(1, int(min_length))
-        for s, (source, t) in enumerate(zip(sources, source_types)):
-            keep = np.nonzero(source.lengths >= keep_min)[0]
-            dropped = source.num_docs - len(keep)
+        parts = []
+        for source, t in zip(sources, source_types):
+            lens = np.asarray(source.read_lengths(0, source.num_docs), dtype=np.int64)
+            eff = np.where(lens >= keep_min, lens, 0)
+            dropped = int(np.count_nonzero(eff == 0))
             if dropped:
                 logger.info("%s: dropped %d of %d documents shorter than %d tokens", source.path, dropped,
                             source.num_docs, keep_min)
-            srcs.append(np.full(len(keep), s, dtype=np.int32))
-            docs.append(keep.astype(np.int64))
-            lens.append(source.lengths[keep].astype(np.int64))
-            types.append(np.full(len(keep), t, dtype=np.int32))
-        corpus = cls(sources, np.concatenate(srcs) if srcs else np.zeros(0, np.int32),
-                     np.concatenate(docs) if docs else np.zeros(0, np.int64),
-                     np.concatenate(lens) if lens else np.zeros(0, np.int64),
-                     np.concatenate(types) if types else np.zeros(0, np.int32), dict(type_names))
-        if corpus.num_tokens == 0:
-            where = ", ".join(s.path for s in sources[:3]) + (" ..." if len(sources) > 3 else "")
-            raise DataError(f"{what}: no documents left (min_length={min_length}) in {where}")
-        return corpus
+            parts.append(eff)
+        lengths = np.concatenate(parts) if parts else np.zeros(0, np.int64)
+        table = cls(sources, source_types, type_names, lengths, [int(p.sum()) for p in parts])
+        if table.num_tokens == 0:
+            raise DataError(no_documents_message(what, sources, min_length))
+        return table
 
 
-def open_files(files: Sequence[str], what: str) -> list[TokenFile]:
-    """Open token files; checksums are verified when all of them together are small (see formats.VERIFY_MAX_BYTES)."""
-    total = sum(os.path.getsize(p) for p in files)
-    verify = total <= VERIFY_MAX_BYTES
-    if not verify:
-        logger.info("%s: %.1f GB of .bin files: checksums not verified at start-up "
-                    "(python -m internlm_core.data.formats FOLDER verifies them)", what, total / 1e9)
+def no_documents_message(what: str, sources: Sequence, min_length: int) -> str:
+    where = ", ".join(s.path for s in sources[:3]) + (" ..." if len(sources) > 3 else "")
+    return f"{what}: no documents left (min_length={min_length}) in {where}"
+
+
+def open_files(files: Sequence[str], verify: Optional[bool] = None) -> list[TokenFile]:
+    """Open token files (headers and index ends only unless `verify`; see formats.open_token_file)."""
     return [open_token_file(p, verify=verify) for p in files]
 
 
-def open_folder(folder: str, mode: str, what: str) -> tuple[list[TokenFile], list[int], dict[int, str]]:
+def list_folder(folder: str, mode: str, what: str) -> tuple[list[str], list[int], dict[int, str]]:
+    """(the .bin files under `folder`, the type id of each, {type id: name})."""
     files = find_bin_files(folder)
     if not files:
         raise DataError(f"{what} {folder}: no .bin files found (tokenize text with tools/tokenizer.py first)")
     names, per_file = type_names_for(folder, files, mode)
-    sources = open_files(files, f"{what} {folder}")
-    return sources, per_file, names
+    return files, per_file, names
 
 
-def build_train_corpus(data_cfg, vocab_size: int) -> Corpus:
-    """The training documents: every .bin under `data_cfg.train_folder`, or the dummy dataset when it is None."""
-    if data_cfg.train_folder is None:
-        src = DummySource(data_cfg.dummy_num_samples, data_cfg.seq_len, vocab_size, _seed(data_cfg),
-                          data_cfg.fixed_random_dataset_seqlen, data_cfg.dummy_distribution)
-        return Corpus.from_sources([src], [0], {0: "dummy"}, data_cfg.min_length, "dummy data")
-    sources, per_file, names = open_folder(data_cfg.train_folder, data_cfg.dataset_type_mode, "data.train_folder")
-    corpus = Corpus.from_sources(sources, per_file, names, data_cfg.min_length, f"data.train_folder {data_cfg.train_folder}")
-    logger.info("training data %s: %d files, %d documents, %d tokens, types %s", data_cfg.train_folder,
-                len(sources), corpus.num_docs, corpus.num_tokens, names)
-    return corpus
-
-
-def build_valid_corpora(data_cfg) -> dict[str, Corpus]:
-    """One corpus per subfolder of `valid_folder` ("val" for files directly in it), in sorted name order."""
+def build_valid_tables(data_cfg) -> dict[str, DocTable]:
+    """One table per subfolder of `valid_folder` ("val" for files directly in it), in sorted name order."""
     folder = data_cfg.valid_folder
     if folder is None:
         return {}
@@ -253,11 +269,21 @@ def build_valid_corpora(data_cfg) -> dict[str, Corpus]:
             if tid is None:
                 tid, next_id = next_id, next_id + 1
             names, per_file = {tid: name}, [tid] * len(groups[name])
-        sources = open_files(groups[name], f"data.valid_folder {os.path.join(folder, name)}")
-        out[name] = Corpus.from_sources(sources, per_file, names, data_cfg.min_length,
-                                        f"data.valid_folder {os.path.join(folder, name)}")
+        total = sum(os.path.getsize(p) for p in groups[name])
+        sources = open_files(groups[name], verify=total <= VERIFY_MAX_BYTES)
+        out[name] = DocTable.in_memory(sources, per_file, names, data_cfg.min_length,
+                                       f"data.valid_folder {os.path.join(folder, name)}")
     return out
 
 
-def _seed(data_cfg) -> int:
+def dummy_table(data_cfg, vocab_size: int, seed_offset: int = 0, num_samples: Optional[int] = None) -> DocTable:
+    """InternLM's random dataset as a table of one source with type "dummy"."""
+    src = DummySource(num_samples or data_cfg.dummy_num_samples, data_cfg.seq_len, vocab_size,
+                      data_seed(data_cfg) + seed_offset, data_cfg.fixed_random_dataset_seqlen,
+                      data_cfg.dummy_distribution)
+    return DocTable.in_memory([src], [0], {0: "dummy"}, data_cfg.min_length,
+                              "dummy validation data" if seed_offset else "dummy data")
+
+
+def data_seed(data_cfg) -> int:
     return int(data_cfg.seed if data_cfg.seed is not None else 1024)

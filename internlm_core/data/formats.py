@@ -1,4 +1,5 @@
-"""On-disk token formats: ours (compact binary) and InternLM's (JSON lines), both memory-mapped.
+"""On-disk token formats: ours (compact binary), InternLM's (JSON lines) and Megatron's (`.bin` + `.idx`, see
+megatron.py), all read by `pread` so that no per-document index is held in memory.
 
 Our format ("ILMC", version 1), little-endian:
 
@@ -12,33 +13,34 @@ Our format ("ILMC", version 1), little-endian:
                 header: magic ``b"\\x93ILMCIDX"`` (8) | version u16 | reserved 6 | num_docs u64 | num_tokens u64 |
                 file_id 16 bytes (equal to the bin's: a meta that belongs to another bin is detected) |
                 crc32 u32 of the bin's token bytes | flags u32 (1: crc32 is set) | reserved 8.
-                The training loader checks the CRCs when it opens a folder holding at most 1 GiB of such files (a
-                few ms per 100 MB once they are in the page cache; a bigger folder would make every rank read all of
-                it at start-up); `verify_token_file` / ``python -m internlm_core.data.formats PATH...`` check any
-                size.
 
 InternLM's format (``--format internlm``): ``X.bin`` holds one line per document, the UTF-8 bytes of
 ``json.dumps({"tokens": [...]}) + "\\n"``; ``X.bin.meta`` is ``np.save`` of an int32 array of shape (N, 2), rows
 (byte offset of the line, number of tokens).
 
-`open_token_file(path)` detects the format from the first bytes of the bin and returns a `TokenFile`; every
-inconsistency found (truncation, bad magic, a meta of another file, offsets out of range, a line whose token count
-differs from the meta) raises `DataError` naming the file, and for InternLM files the line number.
+`open_token_file(path)` detects the format (our header, a JSON line with its `.bin.meta`, or a Megatron `.idx`
+beside the bin) and returns a `TokenFile`. Opening checks the headers and the ends of the index; `check()` reads the
+whole index (and our checksum). `open_token_file(verify=None)` runs it for files of at most VERIFY_MAX_BYTES; the
+training loader runs it once per corpus version, when it builds its index cache (see index.py), and
+``python -m internlm_core.data.verify PATH...`` runs it for any size. Every inconsistency raises `DataError`
+naming the file, and for InternLM files the line number.
 """
 
 from __future__ import annotations
 
-import json
 import os
 import struct
 import uuid
 import zlib
-import warnings
 from typing import Optional
 
 import numpy as np
 
 from internlm_core.errors import DataError
+
+from .megatron import MegatronTokenFile, MegatronWriter, idx_path_for
+from .internlm_format import INTERNLM_PREFIX, InternLMTokenFile, InternLMWriter
+from .tokenfile import CHUNK, VERIFY_MAX_BYTES, FileArray, FileReader, TokenFile, stat_key
 
 BIN_MAGIC = b"\x93ILMCBIN"
 META_MAGIC = b"\x93ILMCIDX"
@@ -47,10 +49,8 @@ HEADER_SIZE = 64
 _BIN_HEADER = struct.Struct("<8sHBBIQQQ16s8x")   # 64 bytes
 _META_HEADER = struct.Struct("<8sH6xQQ16sII8x")  # 64 bytes
 HAS_CRC = 1
-VERIFY_MAX_BYTES = 1 << 30  # by default, token data up to this size is checked against its CRC32 when opened
+_READ = 1 << 24  # bytes read at once by the checksum
 assert _BIN_HEADER.size == HEADER_SIZE and _META_HEADER.size == HEADER_SIZE  # layout constants, not user input
-
-INTERNLM_PREFIX = b'{"tokens": ['
 
 
 def dtype_for(vocab_size: int, signed: bool = False) -> np.dtype:
@@ -74,39 +74,11 @@ def _np_dtype(itemsize: int, signed: bool) -> Optional[np.dtype]:
     return np.dtype(code) if code else None
 
 
-class TokenFile:
-    """One tokenized file: `num_docs`, `lengths` (int64 array), `read(i, start, stop)` → int64 token ids."""
-
-    format: str = ""
-    path: str
-    lengths: np.ndarray
-    vocab_size: Optional[int] = None
-
-    @property
-    def num_docs(self) -> int:
-        return int(self.lengths.shape[0])
-
-    @property
-    def num_tokens(self) -> int:
-        return int(self.lengths.sum())
-
-    def read(self, i: int, start: int = 0, stop: Optional[int] = None) -> np.ndarray:
-        raise NotImplementedError
-
-    def read_into(self, out: np.ndarray, i: int, start: int, stop: int) -> None:
-        """Copy tokens ``[start, stop)`` of document i into `out` (len(out) == stop - start)."""
-        out[:] = self.read(i, start, stop)
-
-    def doc_location(self, i: int) -> str:
-        """How a user finds document i in this file (for error messages)."""
-        return f"{self.path}: document {i}"
-
-
 class OursTokenFile(TokenFile):
     format = "ours"
 
     def __init__(self, path: str, meta_path: str, verify: Optional[bool] = None):
-        self.path = path
+        self.path, self.meta_path = path, meta_path
         size = os.path.getsize(path)
         if size < HEADER_SIZE:
             raise DataError(f"{path}: truncated .bin: {size} bytes, shorter than the {HEADER_SIZE}-byte header")
@@ -127,10 +99,8 @@ class OursTokenFile(TokenFile):
         if size > expected:
             raise DataError(f"{path}: corrupted .bin: {size} bytes, the header promises {expected} "
                             f"({size - expected} trailing bytes)")
-        self.vocab_size = int(vocab)
-        self.dtype = dtype
-        self.file_id = fid
-        # the meta
+        self.vocab_size, self.dtype, self.file_id = int(vocab), dtype, fid
+        self.num_docs, self._num_tokens = int(ndocs), int(ntok)
         if not os.path.exists(meta_path):
             raise DataError(f"{meta_path}: missing (every .bin needs its .bin.meta index)")
         msize = os.path.getsize(meta_path)
@@ -150,134 +120,85 @@ class OursTokenFile(TokenFile):
         if msize != mexpected:
             raise DataError(f"{meta_path}: {'truncated' if msize < mexpected else 'corrupted'} .bin.meta: {msize} bytes, "
                             f"expected {mexpected} for {ndocs} documents")
-        offsets = np.memmap(meta_path, dtype="<i8", mode="r", offset=HEADER_SIZE, shape=(ndocs + 1,))
-        offsets = np.asarray(offsets, dtype=np.int64)
-        if offsets[0] != 0 or offsets[-1] != ntok or (ndocs and np.any(np.diff(offsets) < 0)):
-            raise DataError(f"{meta_path}: corrupted .bin.meta: document offsets are not increasing from 0 to {ntok}")
-        self.offsets = offsets
-        self.lengths = np.diff(offsets)
-        self._mm = (np.memmap(path, dtype=dtype, mode="r", offset=HEADER_SIZE, shape=(ntok,)) if ntok
-                    else np.zeros(0, dtype=dtype))
+        self.offsets = FileArray(meta_path, HEADER_SIZE, "<i8", ndocs + 1, block=512, cache_blocks=4)
+        if int(self.offsets[0]) != 0 or int(self.offsets[ndocs]) != ntok:
+            self._bad_offsets()
         self.crc = crc if flags & HAS_CRC else None
+        self._bin = FileReader(path)
         if verify or (verify is None and ntok * itemsize <= VERIFY_MAX_BYTES):
-            self.verify()
+            self.check()
+
+    def _bad_offsets(self):
+        raise DataError(f"{self.meta_path}: corrupted .bin.meta: document offsets are not increasing from 0 to "
+                        f"{self._num_tokens}")
+
+    @property
+    def num_tokens(self) -> int:
+        return self._num_tokens
+
+    def check(self) -> None:
+        """Offsets increasing from 0 to num_tokens, and the token bytes against the meta's CRC32."""
+        for s, o in self.offsets.chunks(CHUNK):
+            if len(o) > 1 and np.any(np.diff(o) < 0):
+                self._bad_offsets()
+            if s and len(o):  # the chunk boundary
+                if int(self.offsets[s - 1]) > int(o[0]):
+                    self._bad_offsets()
+        self.verify()
 
     def verify(self) -> None:
         """Check the token bytes against the CRC32 recorded in the meta (DataError on a mismatch)."""
         if self.crc is None:
             return
         crc = 0
-        step = 1 << 26
-        raw = self._mm.view(np.uint8) if len(self._mm) else np.zeros(0, np.uint8)
-        for i in range(0, len(raw), step):
-            crc = zlib.crc32(memoryview(np.ascontiguousarray(raw[i:i + step])), crc)
+        with open(self.path, "rb") as fh:
+            fh.seek(HEADER_SIZE)
+            while True:
+                buf = fh.read(_READ)
+                if not buf:
+                    break
+                crc = zlib.crc32(buf, crc)
         if crc != self.crc:
             raise DataError(f"{self.path}: corrupted .bin: the token data does not match the checksum in its "
                             f".bin.meta (crc32 {crc:08x}, expected {self.crc:08x})")
 
+    def read_lengths(self, start: int, stop: int) -> np.ndarray:
+        o = self.offsets.read(start, min(stop, self.num_docs) + 1)
+        d = np.diff(o)
+        if len(d) and d.min() < 0:
+            self._bad_offsets()
+        return d
+
+    def length(self, i: int) -> int:
+        o = self.offsets[i:i + 2]
+        return int(o[1] - o[0])
+
+    def _tokens(self, i: int, start: int, stop: Optional[int]) -> np.ndarray:
+        o = self.offsets[i:i + 2]
+        base, end = int(o[0]), int(o[1])
+        stop = end - base if stop is None else min(stop, end - base)
+        n = max(0, stop - start)
+        item = self.dtype.itemsize
+        raw = self._bin.pread(n * item, HEADER_SIZE + (base + start) * item)
+        if len(raw) != n * item:
+            raise DataError(f"{self.path}: truncated .bin: document {i} lies past the end of the file")
+        return np.frombuffer(raw, dtype=self.dtype)
+
     def read(self, i: int, start: int = 0, stop: Optional[int] = None) -> np.ndarray:
-        base = int(self.offsets[i])
-        end = int(self.offsets[i + 1])
-        stop = end - base if stop is None else stop
-        return self._mm[base + start: base + stop].astype(np.int64)
+        return self._tokens(i, start, stop).astype(np.int64)
 
     def read_into(self, out: np.ndarray, i: int, start: int, stop: int) -> None:
-        base = int(self.offsets[i])
-        out[:] = self._mm[base + start: base + stop]
+        out[:] = self._tokens(i, start, stop)
 
-
-class InternLMTokenFile(TokenFile):
-    format = "internlm"
-
-    def __init__(self, path: str, meta_path: str):
-        self.path = path
-        size = os.path.getsize(path)
-        if not os.path.exists(meta_path):
-            raise DataError(f"{meta_path}: missing (every .bin needs its .bin.meta index)")
-        try:
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore")
-                meta = np.load(meta_path, allow_pickle=False)
-        except Exception as e:  # numpy raises ValueError/EOFError/OSError/UnpicklingError for broken files
-            raise DataError(f"{meta_path}: corrupted or truncated .bin.meta (not a readable .npy array: {e})") from None
-        if meta.ndim != 2 or meta.shape[1] != 2 or meta.dtype.kind not in "iu":
-            raise DataError(f"{meta_path}: corrupted .bin.meta: expected an integer array of shape (N, 2), "
-                            f"got {meta.dtype} {meta.shape}")
-        if meta.shape[0] == 0:
-            raise DataError(f"{meta_path}: empty .bin.meta (no documents)")
-        meta = meta.astype(np.int64)
-        starts, lengths = meta[:, 0], meta[:, 1]
-        if starts[0] != 0 or np.any(np.diff(starts) <= 0) or starts[-1] >= size or np.any(lengths < 0):
-            raise DataError(f"{meta_path}: does not match {path}: offsets must increase from 0 and stay below the "
-                            f"bin's {size} bytes, lengths must be >= 0")
-        self._mm = np.memmap(path, dtype=np.uint8, mode="r")
-        if self._mm[-1] != 0x0A:
-            raise DataError(f"{path}: truncated InternLM .bin: the last line has no newline")
-        if len(starts) > 1:
-            # every entry must start a line; on big files a sample of entries is checked here (each check touches a
-            # page of the file) and every line is checked against its meta entry when it is read
-            check = np.arange(1, len(starts))
-            if size > VERIFY_MAX_BYTES and len(check) > 100_000:
-                check = np.unique(np.linspace(1, len(starts) - 1, 100_000).astype(np.int64))
-            bad = check[self._mm[starts[check] - 1] != 0x0A]
-            if len(bad):
-                j = int(bad[0])
-                raise DataError(f"{meta_path}: does not match {path}: entry {j} points to byte {int(starts[j])}, "
-                                "which does not start a line")
-        self.starts = starts
-        self.ends = np.append(starts[1:], size)  # exclusive, includes the newline
-        self.lengths = lengths
-        self._cache_i = -1
-        self._cache: Optional[np.ndarray] = None
-        # the first and last lines are parsed now, so that a mismatched pair is noticed at open time
-        self._parse(0)
-        self._parse(len(starts) - 1)
-
-    def doc_location(self, i: int) -> str:
-        return f"{self.path}: line {i + 1}"
-
-    def _parse(self, i: int) -> np.ndarray:
-        if i == self._cache_i:
-            return self._cache
-        raw = bytes(self._mm[self.starts[i]: self.ends[i]])
-        toks = None
-        if raw.startswith(INTERNLM_PREFIX) and raw.endswith(b"]}\n"):
-            body = raw[len(INTERNLM_PREFIX):-3]
-            if body.strip():
-                try:
-                    with warnings.catch_warnings():
-                        warnings.simplefilter("ignore")
-                        toks = np.fromstring(body, dtype=np.int64, sep=",")  # 4-5x faster than json.loads
-                except ValueError:
-                    toks = None
-            else:
-                toks = np.zeros(0, dtype=np.int64)
-        if toks is None:
-            try:
-                rec = json.loads(raw)
-            except (ValueError, UnicodeDecodeError) as e:
-                raise DataError(f"{self.path}: line {i + 1}: corrupted: not valid JSON ({e})") from None
-            t = rec.get("tokens") if isinstance(rec, dict) else None
-            if not isinstance(t, list) or not all(isinstance(x, int) and not isinstance(x, bool) for x in t):
-                raise DataError(f"{self.path}: line {i + 1}: corrupted: expected {{\"tokens\": [int, ...]}}")
-            try:
-                toks = np.asarray(t, dtype=np.int64)
-            except OverflowError:
-                raise DataError(f"{self.path}: line {i + 1}: corrupted: a token id does not fit in 64 bits") from None
-        if len(toks) != self.lengths[i]:
-            raise DataError(f"{self.path}: line {i + 1}: has {len(toks)} tokens, but {self.path}.meta says "
-                            f"{int(self.lengths[i])} (meta does not match bin)")
-        self._cache_i, self._cache = i, toks
-        return toks
-
-    def read(self, i: int, start: int = 0, stop: Optional[int] = None) -> np.ndarray:
-        return self._parse(i)[start:stop]
+    def fingerprint(self) -> dict:
+        return {"format": self.format, "bin": stat_key(self.path), "meta": stat_key(self.meta_path),
+                "file_id": self.file_id.hex(), "crc": self.crc}
 
 
 def open_token_file(path: str, meta_path: Optional[str] = None, verify: Optional[bool] = None) -> TokenFile:
-    """Open `path` (ours or InternLM's format, detected from its first bytes) with its `.bin.meta`.
+    """Open `path` with its index: ours or InternLM's (`X.bin.meta`), or Megatron's (`X.idx`).
 
-    `verify`: check our format's CRC now (None: when the token data is at most VERIFY_MAX_BYTES).
+    `verify`: run the file's `check()` now (None: when the file is at most VERIFY_MAX_BYTES).
     """
     path = str(path)
     meta_path = meta_path or path + ".meta"
@@ -287,14 +208,17 @@ def open_token_file(path: str, meta_path: Optional[str] = None, verify: Optional
         raise DataError(f"{path}: is a folder, expected a .bin file")
     with open(path, "rb") as fh:
         head = fh.read(len(BIN_MAGIC))
-    if not head:
-        raise DataError(f"{path}: empty .bin file")
     if head == BIN_MAGIC:
         return OursTokenFile(path, meta_path, verify)
+    idx = idx_path_for(path)
+    if not os.path.exists(meta_path) and os.path.exists(idx):
+        return MegatronTokenFile(path, idx, verify)
+    if not head:
+        raise DataError(f"{path}: empty .bin file")
     if head.startswith(b"{"):
-        return InternLMTokenFile(path, meta_path)
+        return InternLMTokenFile(path, meta_path, verify)
     raise DataError(f"{path}: unknown or corrupted .bin: starts with {head!r}, neither our header "
-                    f"({BIN_MAGIC!r}) nor an InternLM JSON line")
+                    f"({BIN_MAGIC!r}) nor an InternLM JSON line, and there is no Megatron index {idx}")
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -357,84 +281,23 @@ class OursWriter:
             fh.write(offsets.tobytes())
 
 
-class InternLMWriter:
-    """Streams documents in InternLM's format: `{"tokens": [...]}` lines and an np.save'd int32 (N, 2) meta."""
-
-    def __init__(self, bin_path: str, meta_path: str, vocab_size: int = 0, signed: bool = False):
-        self.bin_path, self.meta_path = bin_path, meta_path
-        self._fh = open(bin_path, "wb")
-        self._meta: list[tuple[int, int]] = []
-        self._pos = 0
-        self.num_tokens = 0
-
-    def write(self, ids) -> None:
-        ids = [int(x) for x in ids]
-        line = (json.dumps({"tokens": ids}) + "\n").encode()
-        self._fh.write(line)
-        self._meta.append((self._pos, len(ids)))
-        self._pos += len(line)
-        self.num_tokens += len(ids)
-
-    def write_many(self, flat: np.ndarray, lengths) -> None:
-        pos = 0
-        flat = np.asarray(flat).tolist()
-        for n in lengths:
-            self.write(flat[pos: pos + n])
-            pos += n
-
-    def close(self) -> None:
-        self._fh.close()
-        with open(self.meta_path, "wb") as fh:
-            np.save(fh, np.array(self._meta, dtype=np.int32).reshape(-1, 2))
-
-
 def make_writer(fmt: str, bin_path: str, meta_path: str, vocab_size: int, signed: bool = False):
+    """A writer of `fmt` ("ours", "internlm" or "megatron"; Megatron's index is `X.idx`, not `meta_path`)."""
     if fmt == "ours":
         return OursWriter(bin_path, meta_path, vocab_size, signed)
     if fmt == "internlm":
         return InternLMWriter(bin_path, meta_path, vocab_size, signed)
-    raise DataError(f"unknown output format {fmt!r}: expected 'ours' or 'internlm'")
+    if fmt == "megatron":
+        return MegatronWriter(bin_path, meta_path, vocab_size, signed)
+    raise DataError(f"unknown output format {fmt!r}: expected 'ours', 'internlm' or 'megatron'")
+
+
 
 
 def verify_token_file(path: str) -> TokenFile:
-    """Open `path` and check all of it: our format's CRC, every line of an InternLM file."""
-    f = open_token_file(path)
-    if isinstance(f, OursTokenFile):
-        f.verify()
-    else:
+    """Open `path` and check all of it: the whole index, our format's CRC, every line of an InternLM file."""
+    f = open_token_file(path, verify=True)
+    if isinstance(f, InternLMTokenFile):
         for i in range(f.num_docs):
             f.read(i)
     return f
-
-
-def _main(argv=None) -> int:
-    import argparse
-    import sys
-
-    from .dataset import find_bin_files
-
-    p = argparse.ArgumentParser(description="Verify .bin/.bin.meta files (ours: checksum; InternLM's: every line).")
-    p.add_argument("paths", nargs="+", help=".bin files or folders of them")
-    args = p.parse_args(argv)
-    bad = 0
-    for root in args.paths:
-        try:
-            files = find_bin_files(root)
-            if not files:
-                raise DataError(f"{root}: no .bin files found")
-        except DataError as e:
-            print(f"error: {e}", file=sys.stderr)
-            bad += 1
-            continue
-        for path in files:
-            try:
-                f = verify_token_file(path)
-                print(f"ok  {path}: {f.format}, {f.num_docs} documents, {f.num_tokens} tokens")
-            except DataError as e:
-                print(f"error: {e}", file=sys.stderr)
-                bad += 1
-    return 1 if bad else 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(_main())

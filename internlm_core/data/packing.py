@@ -1,6 +1,6 @@
 """Packing documents into rows of `packed_length` tokens (InternLM's PackedDataset semantics, vectorized).
 
-The documents of a corpus, in a given order, form one token stream; row k is the stream's tokens
+The documents of a stream, in a given order, form one token stream; row k is the stream's tokens
 ``[k * packed_length, (k + 1) * packed_length)``. A document may start in one row and continue in the next.
 For each row:
 
@@ -18,127 +18,127 @@ same as above.
 
 Padding (only in validation, at the end of the stream): input 0, label -100, the type of the last document, and
 a segment of its own in ``cu_seqlens``.
+
+`assemble` builds a row from its fragments (pieces of documents); `Packer` finds a row's fragments through an
+epoch index (index.py) and reads them from a `DocTable`; the streaming loader feeds `assemble` itself.
 """
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Callable, Optional, Sequence
 
 import numpy as np
 
 from internlm_core.errors import DataError
 
-from .dataset import Corpus
-
 IGNORE_INDEX = -100
 
 
-class StreamOrder:
-    """An order of a corpus's documents and the stream positions it gives them."""
+class Fragment:
+    """A piece of one document: its tokens, type id, and the label of its last token (the document's next token,
+    or IGNORE_INDEX where the document ends)."""
 
-    def __init__(self, corpus: Corpus, order: Optional[np.ndarray]):
-        self.order = order  # None: the corpus's own order
-        lengths = corpus.lengths if order is None else corpus.lengths[order]
-        self.ends = np.cumsum(lengths)  # exclusive end position of the j-th document of the order
-        self.total = int(self.ends[-1]) if len(self.ends) else 0
+    __slots__ = ("tokens", "type_id", "last_label")
 
-    def doc(self, j: int) -> int:
-        return j if self.order is None else int(self.order[j])
+    def __init__(self, tokens: np.ndarray, type_id: int, last_label: int):
+        self.tokens, self.type_id, self.last_label = tokens, int(type_id), int(last_label)
 
 
-class Packer:
-    """Builds packed rows of a corpus for a `StreamOrder`."""
+class RowShape:
+    """The shape of packed rows: `packed_length`, `seq_len`, `pack_sample_into_one`."""
 
-    def __init__(self, corpus: Corpus, seq_len: int, packed_length: int, pack_sample_into_one: bool = False,
-                 vocab_size: Optional[int] = None):
+    def __init__(self, seq_len: int, packed_length: int, pack_sample_into_one: bool = False):
         if seq_len < 1 or packed_length < 1:
             raise DataError(f"data.seq_len ({seq_len}) and data.packed_length ({packed_length}) must be >= 1")
-        self.corpus = corpus
-        self.seq_len = int(seq_len)
-        self.packed_length = int(packed_length)
+        self.seq_len, self.packed_length = int(seq_len), int(packed_length)
         self.pack_into_one = bool(pack_sample_into_one)
-        self.vocab_size = vocab_size
         self._chunk_starts = np.arange(0, self.packed_length, self.seq_len, dtype=np.int64)
         if self.pack_into_one:
-            cu = np.append(self._chunk_starts, self.packed_length).astype(np.int32)
-            self._fixed_cu = cu
+            self._fixed_cu = np.append(self._chunk_starts, self.packed_length).astype(np.int32)
             self._fixed_pos = np.arange(self.packed_length, dtype=np.int64) % self.seq_len
 
-    def row(self, order: StreamOrder, k: int) -> dict:
-        """Row k of the stream (numpy arrays: input_ids, labels, position_ids, type_ids; cu_seqlens int32)."""
+    def assemble(self, frags: Sequence[Fragment], pad_type: int = 0) -> dict:
+        """A row (numpy arrays: input_ids, labels, position_ids, type_ids; cu_seqlens int32) from its fragments."""
         P = self.packed_length
-        s = k * P
-        e = min(s + P, order.total)
-        if s >= order.total:
-            n_real = 0
-        else:
-            n_real = e - s
-        ends = order.ends
-        toks = np.empty(P, dtype=np.int64)
-        labels = np.empty(P, dtype=np.int64)
+        toks = np.zeros(P, dtype=np.int64)
+        labels = np.full(P, IGNORE_INDEX, dtype=np.int64)
         type_ids = np.empty(P, dtype=np.int64)
-        frag_starts = []
-        corpus = self.corpus
-        last_type = 0
-        if n_real:
-            j = int(np.searchsorted(ends, s, side="right"))
-            pos = s
-            while pos < e:
-                dend = int(ends[j])
-                dlen = int(corpus.lengths[order.doc(j)])
-                dstart = dend - dlen
-                b = min(e, dend)
-                a_row, b_row = pos - s, b - s
-                d = order.doc(j)
-                corpus.read_into(toks[a_row:b_row], d, pos - dstart, b - dstart)
-                t = int(corpus.types[d])
-                type_ids[a_row:b_row] = t
-                last_type = t
-                frag_starts.append(a_row)
-                if b == dend:  # the document ends inside this row
-                    labels[b_row - 1] = IGNORE_INDEX
-                else:  # it continues in the next row: the label is its next token
-                    nxt = np.empty(1, dtype=np.int64)
-                    corpus.read_into(nxt, d, b - dstart, b - dstart + 1)
-                    labels[b_row - 1] = nxt[0]
-                pos = b
-                j += 1
-            # labels: the next token, except at document ends (already set above)
-            last = labels[n_real - 1]
-            ends_in_row = ends[(ends > s) & (ends < e)] - s - 1  # rows positions of document ends, except at e
-            labels[: n_real - 1] = toks[1:n_real]
-            labels[ends_in_row] = IGNORE_INDEX
-            labels[n_real - 1] = last
-            if self.vocab_size is not None:
-                self._check_vocab(toks[:n_real], frag_starts, order, s)
-        if n_real < P:  # padding
-            if not n_real and len(order.ends):  # a row past the end: the type of the stream's last document
-                last_type = int(corpus.types[order.doc(len(order.ends) - 1)])
-            toks[n_real:] = 0
-            labels[n_real:] = IGNORE_INDEX
-            type_ids[n_real:] = last_type
-            frag_starts.append(n_real)
+        starts = []
+        pos = 0
+        last_type = pad_type
+        for f in frags:
+            n = len(f.tokens)
+            if not n:
+                continue
+            toks[pos:pos + n] = f.tokens
+            labels[pos:pos + n - 1] = f.tokens[1:]
+            labels[pos + n - 1] = f.last_label
+            type_ids[pos:pos + n] = f.type_id
+            last_type = f.type_id
+            starts.append(pos)
+            pos += n
+        if pos < P:  # padding
+            type_ids[pos:] = last_type
+            starts.append(pos)
         labels[labels < 0] = IGNORE_INDEX
         np.abs(toks, out=toks)
         if self.pack_into_one:
             cu, pos_ids = self._fixed_cu, self._fixed_pos.copy()
         else:
-            starts = np.union1d(np.asarray(frag_starts, dtype=np.int64), self._chunk_starts)
-            cu = np.append(starts, P).astype(np.int32)
-            pos_ids = np.arange(P, dtype=np.int64) - np.repeat(starts, np.diff(cu))
+            st = np.union1d(np.asarray(starts, dtype=np.int64), self._chunk_starts)
+            cu = np.append(st, P).astype(np.int32)
+            pos_ids = np.arange(P, dtype=np.int64) - np.repeat(st, np.diff(cu))
         return {"input_ids": toks, "labels": labels, "position_ids": pos_ids, "type_ids": type_ids,
                 "cu_seqlens": cu}
 
-    def _check_vocab(self, toks: np.ndarray, frag_starts: list, order: StreamOrder, s: int) -> None:
-        V = self.vocab_size
-        lo, hi = int(toks.min()), int(toks.max())
-        if hi < V and lo > -V:
-            return
-        bad = int(np.nonzero((toks >= V) | (toks <= -V))[0][0])
-        fi = int(np.searchsorted(np.asarray(frag_starts), bad, side="right")) - 1
-        j = int(np.searchsorted(order.ends, s, side="right")) + fi
-        d = order.doc(j)
-        dstart = int(order.ends[j] - self.corpus.lengths[d])
-        raise DataError(f"{self.corpus.location(d)}: token id {int(toks[bad])} at token {s + bad - dstart} is outside "
-                        f"the model's vocabulary (model.vocab_size = {V}); was the data tokenized with another "
-                        "tokenizer?")
+
+def check_vocab(tokens: np.ndarray, vocab_size: Optional[int], where: Callable[[], str], first: int) -> None:
+    """DataError naming the document when a token id is outside [0, vocab_size) (negatives: masked ids)."""
+    if vocab_size is None or not len(tokens):
+        return
+    V = vocab_size
+    if int(tokens.max()) < V and int(tokens.min()) > -V:
+        return
+    bad = int(np.nonzero((tokens >= V) | (tokens <= -V))[0][0])
+    raise DataError(f"{where()}: token id {int(tokens[bad])} at token {first + bad} is outside the model's "
+                    f"vocabulary (model.vocab_size = {V}); was the data tokenized with another tokenizer?")
+
+
+class Packer:
+    """Builds the packed rows of a `DocTable` in the order of an `EpochIndex`."""
+
+    def __init__(self, table, shape: RowShape, vocab_size: Optional[int] = None):
+        self.table, self.shape, self.vocab_size = table, shape, vocab_size
+
+    def row(self, epoch, k: int) -> dict:
+        """Row k of the epoch (padded past the end of the epoch's tokens)."""
+        P = self.shape.packed_length
+        table = self.table
+        need = max(0, min(P, epoch.total - k * P))
+        frags = []
+        pad_type = 0
+        if need:
+            j, off = epoch.row_start(k)
+        else:  # a row past the end: all padding, with the type of the last document
+            j, off = epoch.num_docs, 0
+            for jj in range(epoch.num_docs - 1, -1, -1):
+                if table.length(epoch.doc(jj)):
+                    pad_type = table.type_of(epoch.doc(jj))
+                    break
+        while need > 0 and j < epoch.num_docs:
+            g = epoch.doc(j)
+            L = table.length(g)
+            if off >= L:
+                j, off = j + 1, 0
+                continue
+            take = min(L - off, need)
+            n = min(L, off + take + 1) - off  # one more token: the label of the fragment's last token
+            buf = np.empty(n, dtype=np.int64)
+            table.read_into(buf, g, off, off + n)
+            check_vocab(buf[:take], self.vocab_size, lambda g=g: table.location(g), off)
+            frags.append(Fragment(buf[:take], table.type_of(g), buf[take] if n > take else IGNORE_INDEX))
+            need -= take
+            off += take
+            if off >= L:
+                j, off = j + 1, 0
+        return self.shape.assemble(frags, pad_type)

@@ -37,6 +37,7 @@ import numpy as np
 from internlm_core.errors import DataError
 
 from .formats import dtype_for, make_writer
+from .megatron import idx_path_for
 
 INPUT_EXTS = (".txt", ".json", ".jsonl")
 
@@ -46,7 +47,7 @@ class Options:
     text_key: Optional[str] = "text"     # None: InternLM's behaviour (whole record / raw line)
     add_bos: bool = True
     add_eos: bool = True
-    fmt: str = "ours"                    # "ours" | "internlm"
+    fmt: str = "ours"                    # "ours" | "internlm" | "megatron"
     workers: int = 1
     on_error: str = "fail"               # "fail" | "skip"
     batch_bytes: int = 1 << 20           # text handed to the tokenizer at once
@@ -277,7 +278,7 @@ def tokenize_file(src: str, dst: str, tokenizer, opts: Options, stats: Stats, sk
         skip("empty file", f"{src}: empty file (no documents)")
         return
     os.makedirs(os.path.dirname(os.path.abspath(dst)), exist_ok=True)
-    meta = dst + ".meta"
+    meta = idx_path_for(dst) if opts.fmt == "megatron" else dst + ".meta"
     tmp_bin, tmp_meta = f"{dst}.tmp{os.getpid()}", f"{meta}.tmp{os.getpid()}"
     writer = make_writer(opts.fmt, tmp_bin, tmp_meta, tokenizer.vocab_size)
     docs = toks = 0
@@ -289,7 +290,7 @@ def tokenize_file(src: str, dst: str, tokenizer, opts: Options, stats: Stats, sk
         encoded = tokenizer.encode_batch(texts, opts.workers)
         lengths = [len(e) + nb + ne for e in encoded]
         total = sum(lengths)
-        if opts.fmt == "ours":
+        if opts.fmt in ("ours", "megatron"):
             flat = np.empty(total, dtype=np.int64)
             p = 0
             for e, n in zip(encoded, lengths):
@@ -402,8 +403,8 @@ class Progress:
 def tokenize_paths(input_path: str, output_path: str, tokenizer, opts: Options,
                    progress_bar: bool = True, warn: Optional[Callable[[str], None]] = None) -> Stats:
     """Tokenize a file or folder tree; returns the statistics (see module docstring)."""
-    if opts.fmt not in ("ours", "internlm"):
-        raise DataError(f"--format {opts.fmt}: expected 'ours' or 'internlm'")
+    if opts.fmt not in ("ours", "internlm", "megatron"):
+        raise DataError(f"--format {opts.fmt}: expected 'ours', 'internlm' or 'megatron'")
     if opts.on_error not in ("fail", "skip"):
         raise DataError(f"--on-error {opts.on_error}: expected 'fail' or 'skip'")
     warn = warn or (lambda m: print(m, file=sys.stderr))

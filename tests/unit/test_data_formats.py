@@ -230,7 +230,7 @@ def test_ours_corrupted_token_data_fails_checksum(ours):
 
 
 def test_verify_command(tmp_path, ours, capsys):
-    from internlm_core.data.formats import _main
+    from internlm_core.data.verify import main as _main
     assert _main([str(tmp_path)]) == 0
     assert f"ok  {ours}: ours, 3 documents, 9 tokens" in capsys.readouterr().out
     Path(str(ours) + ".meta").write_bytes(b"")

@@ -266,6 +266,6 @@ def test_corrupted_token_data_found_by_the_loader(tmp_path, monkeypatch):
     (tmp_path / "a.bin").write_bytes(bytes(data))
     with pytest.raises(DataError, match=r"a\.bin: corrupted \.bin: the token data does not match the checksum"):
         build_train_loader(_cfg(train_folder=str(tmp_path)), dp_rank=0, dp_size=1, vocab_size=100)
-    import internlm_core.data.dataset as ds
-    monkeypatch.setattr(ds, "VERIFY_MAX_BYTES", 10)  # a "big" folder: not read whole at start-up
+    import internlm_core.data.index as ix
+    monkeypatch.setattr(ix, "VERIFY_MAX_BYTES", 10)  # a "big" folder: its checksums are not read when it is indexed
     build_train_loader(_cfg(train_folder=str(tmp_path)), dp_rank=0, dp_size=1, vocab_size=100)
