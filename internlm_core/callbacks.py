@@ -1,17 +1,22 @@
-"""Trainer-level hooks: the familiar shape of HF Trainer's callbacks.
+"""The one callback system of the training loop: step events (HF Trainer's shape) and micro-batch events
+(InternLM's scheduler hooks).
 
-Writers (JSONL, TensorBoard, console), monitors (watchdog, loss health, alerts), the checkpoint manager
-and profilers plug into the loop through this list instead of being called from it one by one.
+Writers, monitors (watchdog, loss health, stragglers, alerts), the checkpoint manager, profilers and the
+metric hook (`trainer.hooks.SchedulerMetricHook`) plug into the loop through one `CallbackList` instead of
+being called from it one by one. Every method gets the trainer first (its `state`, `run_dir`, ...).
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Optional
+
+import torch
 
 
 class TrainerCallback:
-    """Override what you need; every method gets the trainer (its `state`, `cfg`, `run_dir`, ...)."""
+    """Override what you need; the defaults do nothing."""
 
+    # ---- steps ----------------------------------------------------------------------------------------
     def on_train_start(self, trainer: Any) -> None:
         """After everything is built and any checkpoint is loaded, before the first batch."""
 
@@ -26,6 +31,31 @@ class TrainerCallback:
 
     def on_train_end(self, trainer: Any) -> None:
         """After the last step (also after a stop request), before the process group is torn down."""
+
+    # ---- micro-batches (InternLM's SchedulerHook) --------------------------------------------------------
+    def on_before_forward(self, trainer: Any) -> None:
+        """Before the forward of a micro-batch."""
+
+    def on_after_forward(self, trainer: Any) -> None:
+        """After the forward of a micro-batch."""
+
+    def on_before_criterion(self, trainer: Any) -> None:
+        """Before the loss of a micro-batch."""
+
+    def on_after_criterion(self, trainer: Any) -> None:
+        """After the loss of a micro-batch."""
+
+    def on_before_backward(self, trainer: Any) -> None:
+        """Before the backward of a micro-batch."""
+
+    def on_after_backward(self, trainer: Any) -> None:
+        """After the backward of a micro-batch."""
+
+    def on_micro_batch_end(self, trainer: Any, logits: torch.Tensor, labels: torch.Tensor,
+                           type_ids: Optional[torch.Tensor], token_losses: Optional[torch.Tensor],
+                           predictions: Optional[torch.Tensor]) -> None:
+        """After the loss of a training micro-batch (InternLM's post_helper_func): its detached logits,
+        labels, dataset types, per-token losses and argmax (each None when the loss did not compute it)."""
 
 
 class CallbackList:

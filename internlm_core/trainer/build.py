@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import datetime
+import json
 import os
+import platform
 import socket
+import sys
 from pathlib import Path
 from typing import Optional
 
@@ -28,9 +31,9 @@ from ..utils.timer import Timers
 from ..utils.writer import MetricsWriter
 from ..callbacks import CallbackList, TrainerCallback
 from ..checkpoint import CheckpointCallback, CheckpointManager, RNGState
-from .hooks import HookList, SchedulerMetricHook
+from .hooks import SchedulerMetricHook
 from .state import BatchSkipper, TrainState
-from .trainer import COMPUTE_DTYPES, Trainer
+from .trainer import COMPUTE_DTYPES, LoopConfig, Trainer
 
 logger = get_logger(__name__)
 
@@ -47,11 +50,24 @@ def resolve_run_dir(cfg: Config, run_dir: Optional[str], launch: LaunchInfo) -> 
     return path
 
 
+_LAUNCH_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
+               "TORCHELASTIC_RESTART_COUNT", "TORCHELASTIC_MAX_RESTARTS", "TORCHELASTIC_RUN_ID", "SLURM_JOB_ID",
+               "SLURM_JOB_NAME", "SLURM_NNODES", "SLURM_NTASKS", "SLURM_PROCID", "SLURM_RESTART_COUNT",
+               "CUDA_VISIBLE_DEVICES", "OMP_NUM_THREADS")
+
+
 def write_run_files(cfg: Config, run_dir: Path, launch: LaunchInfo) -> None:
-    """The resolved config (YAML) and how the run was launched, for the record."""
+    """The resolved config (config.yaml) and how the run was launched (launch.json: command line, host,
+    launcher, world size, the launcher's environment variables, versions), for the record."""
     if launch.rank != 0:
         return
     (run_dir / "config.yaml").write_text(dump_yaml(cfg))
+    record = {"argv": sys.argv, "cwd": os.getcwd(), "host": socket.gethostname(), "pid": os.getpid(),
+              "time": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+              "launcher": launch.launcher, "world_size": launch.world_size, "device": str(launch.device),
+              "env": {k: os.environ[k] for k in _LAUNCH_ENV if k in os.environ},
+              "versions": {"python": platform.python_version(), "torch": torch.__version__}}
+    (run_dir / "launch.json").write_text(json.dumps(record, indent=1))
 
 
 def setup_numerics(cfg: Config, seed: int) -> None:
@@ -86,23 +102,23 @@ def build_data(cfg: Config, dims: ParallelDims):
 
 
 def build_monitors(cfg: Config, launch: LaunchInfo, dims: ParallelDims, run_dir: Path, alerts: Optional[AlertManager],
-                   profiling: bool) -> list[TrainerCallback]:
-    """The monitoring callbacks, in firing order: the stop controller comes first so that a save it
+                   profiling: bool) -> dict[str, TrainerCallback]:
+    """The monitoring callbacks by name, in firing order: the stop controller comes first so that a save it
     requests at this step is seen by the checkpoint callback registered after it."""
     rank = launch.rank
-    callbacks: list[Optional[TrainerCallback]] = [
-        build_stop_controller(cfg.ckpt, rank, alerts),
-        build_loss_health(cfg.monitor, alerts, rank),
-        build_watchdog(cfg.monitor, alerts, rank),
-        build_straggler_monitor(cfg.data, rank, device=launch.device) if launch.distributed else None,
-        build_profiler(run_dir, rank, enabled=profiling, dp_rank=dims.dp_rank, tp_rank=dims.tp_rank,
-                       device=launch.device),
-        MemoryProfiler(run_dir, rank, launch.device) if (cfg.monitor.memory_report or profiling) else None,
-    ]
-    return [cb for cb in callbacks if cb is not None]
+    callbacks: dict[str, Optional[TrainerCallback]] = {
+        "stop": build_stop_controller(cfg.ckpt, rank, alerts),
+        "loss_health": build_loss_health(cfg.monitor, alerts, rank),
+        "watchdog": build_watchdog(cfg.monitor, alerts, rank),
+        "straggler": build_straggler_monitor(cfg.data, rank, device=launch.device) if launch.distributed else None,
+        "profiler": build_profiler(run_dir, rank, enabled=profiling, dp_rank=dims.dp_rank, tp_rank=dims.tp_rank,
+                                   device=launch.device),
+        "memory": MemoryProfiler(run_dir, rank, launch.device) if (cfg.monitor.memory_report or profiling) else None,
+    }
+    return {name: cb for name, cb in callbacks.items() if cb is not None}
 
 
-def build_checkpoint_manager(cfg: Config, trainer: Trainer, launch: LaunchInfo,
+def build_checkpoint_manager(cfg: Config, trainer: Trainer, launch: LaunchInfo, monitors: dict[str, TrainerCallback],
                              alerts: Optional[AlertManager] = None) -> CheckpointManager:
     """The one place where everything that must survive a restart is registered (content names are
     load_ckpt_info's: model, optimizer, scheduler, sampler)."""
@@ -115,6 +131,8 @@ def build_checkpoint_manager(cfg: Config, trainer: Trainer, launch: LaunchInfo,
     ckpt.register("train_state", trainer.state, content="sampler")
     ckpt.register("data", trainer.train_loader, content="sampler", scope="dp_rank")
     ckpt.register("rng", RNGState(), content="sampler", scope="rank", strict=False)
+    # the spike detector's running mean: without it a resumed run would take its first loss as the baseline
+    ckpt.register("loss_health", monitors.get("loss_health"), content="sampler", strict=False)
     return ckpt
 
 
@@ -142,27 +160,26 @@ def build_trainer(cfg: Config, launch: LaunchInfo, run_dir: Path, seed: Optional
     train_loader, valid_loaders = build_data(cfg, dims)
 
     state = TrainState(tensorboard_folder=str(run_dir / "tensorboard"))
-    rank0 = launch.rank == 0
-    writer = MetricsWriter(run_dir, active=rank0,
-                           tensorboard_dir=state.tensorboard_folder if cfg.monitor.tensorboard else None,
-                           log_every=cfg.monitor.log_every)
     peak = device_peak_flops(launch.device, COMPUTE_DTYPES[cfg.model.dtype])
     throughput = Throughput(model_flops_per_token(cfg, args), launch.world_size, peak)
     timers = Timers(cuda_sync=False)
     type_names = getattr(train_loader, "type_names", None) or {}
     # summed over data parallel x pipeline: each micro-batch counted once (only the last stage has outputs)
     metric = AccPerplex(type_names, dims.group("pp_dp") if dims.dp * dims.pp > 1 else None)
-    hooks = HookList([SchedulerMetricHook(timers, metric)])
+    monitors = build_monitors(cfg, launch, dims, run_dir, alerts, profiling)
+    callbacks = [SchedulerMetricHook(timers, metric), *monitors.values(), *(extra_callbacks or [])]
     trainer = Trainer(
-        cfg=cfg, model=model, loss_fn=build_loss(cfg), optimizer=optimizer, lr_scheduler=lr_scheduler,
+        loop=LoopConfig.from_config(cfg, dims.tp), model=model, loss_fn=build_loss(cfg), optimizer=optimizer, lr_scheduler=lr_scheduler,
         beta2_scheduler=beta2_scheduler, grad_scaler=build_grad_scaler(cfg), train_loader=train_loader,
         valid_loaders=valid_loaders, state=state, dims=dims, device=launch.device, run_dir=run_dir,
-        rank=launch.rank, world_size=launch.world_size, writer=writer, throughput=throughput, timers=timers,
-        train_metric=metric, hooks=hooks,
-        callbacks=CallbackList(build_monitors(cfg, launch, dims, run_dir, alerts, profiling) + list(extra_callbacks or [])),
+        rank=launch.rank, world_size=launch.world_size, throughput=throughput, timers=timers,
+        train_metric=metric, callbacks=CallbackList(callbacks),
         batch_skipper=BatchSkipper(cfg.data.skip_batches), pipeline=pipeline)
-    trainer.checkpoint_manager = build_checkpoint_manager(cfg, trainer, launch, alerts)
+    trainer.checkpoint_manager = build_checkpoint_manager(cfg, trainer, launch, monitors, alerts)
     trainer.callbacks.add(CheckpointCallback(trainer.checkpoint_manager))  # after the stop controller
     trainer.checkpoint_manager.resume()  # auto_resume / load_ckpt_info
+    # opened after the resume: a resumed run writes on in the TensorBoard folder its checkpoint names
+    trainer.writer = MetricsWriter(run_dir, active=launch.rank == 0, log_every=cfg.monitor.log_every,
+                                   tensorboard_dir=state.tensorboard_folder if cfg.monitor.tensorboard else None)
     logger.info(f"run folder {run_dir} on {socket.gethostname()}")
     return trainer

@@ -12,7 +12,6 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor.parallel import loss_parallel
 
-from ..config import Config
 from ..distributed.parallel_dims import ParallelDims
 from ..errors import DataError
 from ..loss import FlashGPTLMLoss
@@ -24,7 +23,6 @@ from ..utils.memory import keep_freed_cpu_memory
 from ..utils.timer import Timers
 from ..utils.writer import MetricsWriter
 from ..callbacks import CallbackList
-from .hooks import HookList
 from .state import BatchSkipper, TrainState
 
 logger = get_logger(__name__)
@@ -42,11 +40,36 @@ class StopRequest:
     reason: str = ""
 
 
+@dataclass(frozen=True)
+class LoopConfig:
+    """What the step loop needs of the config, resolved once by `build_trainer`."""
+
+    seq_len: int
+    vocab_size: int
+    total_steps: int
+    micro_num: int
+    packed_length: int
+    valid_every: int
+    clip_grad_norm: float
+    dtype: str                 # model.dtype (autocast)
+    label_smoothing: float
+    vocab_parallel_loss: bool  # tensor parallel with parallel_output: logits stay vocabulary-sharded
+
+    @classmethod
+    def from_config(cls, cfg, tp: int) -> "LoopConfig":
+        d = cfg.data
+        return cls(seq_len=d.seq_len, vocab_size=cfg.model.vocab_size, total_steps=d.total_steps,
+                   micro_num=d.micro_num, packed_length=d.packed_length, valid_every=d.valid_every,
+                   clip_grad_norm=cfg.hybrid_zero_optimizer.clip_grad_norm, dtype=cfg.model.dtype,
+                   label_smoothing=cfg.loss.label_smoothing,
+                   vocab_parallel_loss=tp > 1 and cfg.model.parallel_output)
+
+
 @dataclass
 class Trainer:
     """Everything one run needs, built by `build_trainer`; `train()` runs the loop."""
 
-    cfg: Config
+    loop: LoopConfig
     model: torch.nn.Module
     loss_fn: FlashGPTLMLoss
     optimizer: torch.optim.Optimizer
@@ -61,13 +84,12 @@ class Trainer:
     run_dir: Path
     rank: int
     world_size: int
-    writer: MetricsWriter
     throughput: Throughput
     timers: Timers
     train_metric: AccPerplex
-    hooks: HookList
     callbacks: CallbackList
     batch_skipper: BatchSkipper
+    writer: Optional[MetricsWriter] = None  # opened by build_trainer after any resume
     checkpoint_manager: Any = None
     pipeline: Any = None  # parallel.PipelineParallel when parallel.pipeline > 1: runs this rank's stages
     stop_request: StopRequest = field(default_factory=StopRequest)
@@ -77,7 +99,7 @@ class Trainer:
     # ---- pieces of one step -------------------------------------------------------------------
 
     def autocast(self) -> contextlib.AbstractContextManager:
-        dtype = COMPUTE_DTYPES[self.cfg.model.dtype]
+        dtype = COMPUTE_DTYPES[self.loop.dtype]
         if dtype == torch.float32:
             return contextlib.nullcontext()
         return torch.autocast(self.device.type, dtype=dtype)
@@ -85,13 +107,13 @@ class Trainer:
     def loss_context(self) -> contextlib.AbstractContextManager:
         """Vocabulary-parallel logits (tensor parallel, parallel_output): the loss and its backward run
         under torch's loss_parallel, which computes the softmax over the sharded vocabulary."""
-        if self.dims.tp > 1 and self.cfg.model.parallel_output:
+        if self.loop.vocab_parallel_loss:
             return loss_parallel()
         return contextlib.nullcontext()
 
     def _micro_batches(self, batch: dict, n: int) -> Iterator[dict]:
         """Split a batch into micro-batches shaped [micro_bsz, seq_len] (rows never share a document)."""
-        seq_len = self.cfg.data.seq_len
+        seq_len = self.loop.seq_len
         for i in range(n):
             ids = batch["input_ids"][i]
             rows = ids.numel() // seq_len
@@ -105,9 +127,9 @@ class Trainer:
 
     def _check_vocab(self, batch: dict) -> None:
         vmax = int(batch["input_ids"].max())
-        if vmax >= self.cfg.model.vocab_size or int(batch["input_ids"].min()) < 0:
+        if vmax >= self.loop.vocab_size or int(batch["input_ids"].min()) < 0:
             raise DataError(f"batch {self.state.batch_count}: token id {vmax} is outside the model's vocabulary "
-                            f"[0, {self.cfg.model.vocab_size}) (model.vocab_size); was the data tokenized with "
+                            f"[0, {self.loop.vocab_size}) (model.vocab_size); was the data tokenized with "
                             f"another tokenizer?")
 
     def forward_backward(self, batch: dict, forward_only: bool = False) -> torch.Tensor:
@@ -129,20 +151,20 @@ class Trainer:
             if not forward_only and hasattr(self.model, "set_requires_gradient_sync"):
                 self.model.set_requires_gradient_sync(last)  # FSDP: reduce gradients once per step
             with self.autocast():
-                self.hooks.before_forward()
+                self.callbacks.fire("on_before_forward", self)
                 logits = self.model(mb["input_ids"], mb["position_ids"], mb["cu_seqlens"])
-                self.hooks.after_forward()
-                self.hooks.before_criterion()
+                self.callbacks.fire("on_after_forward", self)
+                self.callbacks.fire("on_before_criterion", self)
                 loss = self.loss_fn(logits, mb["labels"])
-                self.hooks.after_criterion()
-            self.hooks.post_helper_func(logits.detach(), mb["labels"], mb["type_ids"],
-                                        self.loss_fn.last_token_losses if self.cfg.loss.label_smoothing == 0 else None,
-                                        predictions=self.loss_fn.last_predictions)
+                self.callbacks.fire("on_after_criterion", self)
+            self.callbacks.fire("on_micro_batch_end", self, logits.detach(), mb["labels"], mb["type_ids"],
+                                self.loss_fn.last_token_losses if self.loop.label_smoothing == 0 else None,
+                                self.loss_fn.last_predictions)
             total += loss.detach()
             if not forward_only:
-                self.hooks.before_backward()
+                self.callbacks.fire("on_before_backward", self)
                 (loss * (scale / n)).backward()
-                self.hooks.after_backward()
+                self.callbacks.fire("on_after_backward", self)
         return total / n
 
     def _pipeline_inputs(self, batch: dict, n: int) -> dict:
@@ -161,13 +183,13 @@ class Trainer:
 
         def criterion(logits: torch.Tensor, labels: torch.Tensor, type_ids: torch.Tensor, record: bool) -> torch.Tensor:
             if record:
-                self.hooks.before_criterion()
+                self.callbacks.fire("on_before_criterion", self)
             loss = self.loss_fn(logits, labels)
             if record:
-                self.hooks.after_criterion()
-                self.hooks.post_helper_func(logits.detach(), labels, type_ids, self.loss_fn.last_token_losses
-                                            if self.cfg.loss.label_smoothing == 0 else None,
-                                            predictions=self.loss_fn.last_predictions)
+                self.callbacks.fire("on_after_criterion", self)
+                self.callbacks.fire("on_micro_batch_end", self, logits.detach(), labels, type_ids,
+                                    self.loss_fn.last_token_losses if self.loop.label_smoothing == 0 else None,
+                                    self.loss_fn.last_predictions)
                 losses.append(loss.detach())
             return loss * scale
 
@@ -183,7 +205,7 @@ class Trainer:
         """Clip and step; skip the update (and count it) when the gradient is inf/nan."""
         params = [p for p in self.model.parameters() if p.requires_grad]
         inv = 1.0 / self.grad_scaler.scale if self.grad_scaler is not None else 1.0
-        grad_norm, finite = clip_and_check(params, self.cfg.hybrid_zero_optimizer.clip_grad_norm, inv,
+        grad_norm, finite = clip_and_check(params, self.loop.clip_grad_norm, inv,
                                            pp_group=self.dims.group("pp") if self.dims.pp > 1 else None)
         finite = self._all_finite(finite)
         if self.grad_scaler is not None:
@@ -250,15 +272,15 @@ class Trainer:
 
     def train(self) -> TrainState:
         """Train until `data.total_steps` batches are done or a stop is requested."""
-        cfg, st = self.cfg, self.state
+        loop, st = self.loop, self.state
         if self.device.type == "cpu" and keep_freed_cpu_memory():
             logger.info("CPU allocator: freed tensor memory is kept for reuse (glibc mmap and trim off)")
         self.callbacks.fire("on_train_start", self)
         train_iter = iter(self.train_loader)
-        logger.info(f"training from batch {st.batch_count} to {cfg.data.total_steps} "
-                    f"(micro_num={cfg.data.micro_num}, packed_length={cfg.data.packed_length}, dp={self.dims.dp})")
+        logger.info(f"training from batch {st.batch_count} to {loop.total_steps} "
+                    f"(micro_num={loop.micro_num}, packed_length={loop.packed_length}, dp={self.dims.dp})")
         self._step_end = time.perf_counter()
-        while st.batch_count < cfg.data.total_steps:
+        while st.batch_count < loop.total_steps:
             t_start = self._step_end  # the end of the previous step: its metrics, writers and callbacks count
             with self.timers("data"):
                 batch = next(train_iter)
@@ -276,7 +298,7 @@ class Trainer:
             self.last_metrics = metrics
             self.writer.write(st.batch_count, metrics)
             self.callbacks.fire("on_step_end", self, metrics)
-            if cfg.data.valid_every > 0 and st.batch_count % cfg.data.valid_every == 0:
+            if loop.valid_every > 0 and st.batch_count % loop.valid_every == 0:
                 self.evaluate()
                 self._step_end = time.perf_counter()  # validation has its own valid_time
             if self.stop_request.stop:
@@ -314,7 +336,7 @@ class Trainer:
                     for logits, mb in self._eval_outputs(batch):
                         losses.append(self.loss_fn(logits, mb["labels"]).detach())
                         metric.update(logits, mb["labels"], mb["type_ids"], self.loss_fn.last_token_losses
-                                      if self.cfg.loss.label_smoothing == 0 else None, self.loss_fn.last_predictions)
+                                      if self.loop.label_smoothing == 0 else None, self.loss_fn.last_predictions)
             m = metric.get_metric()
             if not m.get("tokens"):
                 continue

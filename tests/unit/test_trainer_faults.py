@@ -9,16 +9,16 @@ from internlm_core.config import load_config
 from internlm_core.distributed import LaunchInfo
 from internlm_core.errors import TrainingError
 from internlm_core.trainer.build import build_trainer
-from internlm_core.trainer.hooks import SchedulerHook
+from internlm_core.callbacks import TrainerCallback
 
 
-class PoisonGradients(SchedulerHook):
+class PoisonGradients(TrainerCallback):
     """After backward of the batches in `steps` (1-based), turn one gradient into NaN."""
 
     def __init__(self, trainer, steps):
         self.trainer, self.steps = trainer, set(steps)
 
-    def after_backward(self):
+    def on_after_backward(self, trainer):
         if self.trainer.state.batch_count in self.steps:
             p = next(self.trainer.model.parameters())
             p.grad.view(-1)[0] = float("nan")
@@ -33,17 +33,16 @@ def make_trainer(tmp_path: Path, *overrides: str):
 
 def test_nan_gradient_skips_update_and_training_continues(tmp_path):
     trainer = make_trainer(tmp_path, "monitor.max_consecutive_inf_nan=3")
-    trainer.hooks.hooks.append(PoisonGradients(trainer, {3, 5}))
+    trainer.callbacks.add(PoisonGradients(trainer, {3, 5}))
     before = {}
 
-    class Snapshot(SchedulerHook):
-        def before_forward(self):
+    class Snapshot(TrainerCallback):
+        def on_before_forward(self, t):
             if trainer.state.batch_count == 3 and not before:
                 before.update({n: p.detach().clone() for n, p in trainer.model.named_parameters()})
 
-    trainer.hooks.hooks.append(Snapshot())
+    trainer.callbacks.add(Snapshot())
     steps = []
-    from internlm_core.callbacks import TrainerCallback
 
     class Record(TrainerCallback):
         def on_step_end(self, t, metrics):
@@ -62,7 +61,7 @@ def test_nan_gradient_skips_update_and_training_continues(tmp_path):
 
 def test_consecutive_nan_steps_stop_the_run(tmp_path):
     trainer = make_trainer(tmp_path, "monitor.max_consecutive_inf_nan=3")
-    trainer.hooks.hooks.append(PoisonGradients(trainer, {2, 3, 4, 5, 6}))
+    trainer.callbacks.add(PoisonGradients(trainer, {2, 3, 4, 5, 6}))
     with pytest.raises(TrainingError, match=r"inf/nan for 3 consecutive steps \(steps 2-4; "
                                             r"monitor.max_consecutive_inf_nan=3\)"):
         trainer.train()
