@@ -306,6 +306,17 @@ def check_consistency(cfg: Config, world_size: int | None = None) -> None:
         raise ConfigError(f"data.dummy_distribution: expected 'uniform' or 'zipf', got {d.dummy_distribution!r}")
     if d.dataset_type_mode not in ("subfolder", "internlm"):
         raise ConfigError(f"data.dataset_type_mode: expected 'subfolder' or 'internlm', got {d.dataset_type_mode!r}")
+    if d.type not in ("tokenized", "streaming", "megatron"):
+        raise ConfigError(f"data.type: expected 'tokenized', 'streaming' or 'megatron', got {d.type!r}")
+    if d.type == "streaming" and (d.train_folder is None or not d.tokenizer_path):
+        raise ConfigError("data.type='streaming' needs data.train_folder (jsonl, parquet or Hugging Face datasets "
+                          "folders) and data.tokenizer_path (e.g. 'byte' or a tokenizer.json)")
+    if d.dataset_weights is not None:
+        if not isinstance(d.dataset_weights, Mapping) or not d.dataset_weights:
+            raise ConfigError(f"data.dataset_weights: expected a dict {{dataset type: weight}}, got {d.dataset_weights!r}")
+        for k, v in d.dataset_weights.items():
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0 or v == float("inf"):
+                raise ConfigError(f"data.dataset_weights[{k!r}]: expected a weight > 0, got {v!r}")
     if cfg.adam.fused not in ("auto", "torch", "apex"):
         raise ConfigError(f"adam.fused: expected auto, torch or apex, got {cfg.adam.fused!r}")
     if not 0.0 <= cfg.lr_scheduler.warmup_ratio <= 1.0:

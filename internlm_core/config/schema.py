@@ -43,6 +43,11 @@ class DataConfig:
     dummy_num_samples: int = f(100000, "Number of documents in the dummy dataset.")
     dataset_type_mode: str = f("subfolder", "How dataset type ids are named: \"subfolder\" (InternEvo: top-level subfolder of train_folder) or \"internlm\" (fixed en/cn/code mapping).")
     seed: Optional[int] = f(None, "Seed of the data order; default the run's `--seed`.")
+    type: str = f("tokenized", "Training data (InternEvo's key): \"tokenized\" (`.bin` files: ours, InternLM's, Megatron's `.bin`/`.idx`; \"megatron\" is the same) or \"streaming\" (jsonl / parquet / Hugging Face `datasets` folders under `train_folder`, tokenized on the fly).")
+    dataset_weights: Optional[dict] = f(None, "Mixture weights {dataset type: weight > 0}, one for every type of `train_folder` (see dataset_type_mode); each type's share of the training tokens, held over any window of rows. None: documents of all types shuffled together (their natural shares).")
+    index_cache_folder: Optional[str] = f(None, "Where the training index (document lengths, shuffled order, row starts) is cached, built once and read by every rank; default `.index_cache` inside `train_folder` (or `~/.cache/internlm_core/index/...` when that is not writable).")
+    tokenizer_path: Optional[str] = f(None, "Streaming: the tokenizer (`byte`, a SentencePiece `.model`, a `tokenizer.json` or a folder holding one); BOS and EOS are put around every document.")
+    content_name: str = f("text", "Streaming: the field of each record that holds its text (InternEvo's key).")
 
 
 @dataclass
