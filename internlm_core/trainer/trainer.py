@@ -267,6 +267,8 @@ class Trainer:
             metrics["loss_scale"] = self.grad_scaler.scale
         m = self.train_metric.get_metric()
         metrics.update({k: v for k, v in m.items() if k in ("acc", "ppl") or k.startswith("acc/")})
+        per_type = getattr(self.train_loader, "consumed_tokens_per_type", None)  # all ranks' tokens of each type so far
+        metrics.update({f"tokens/{k}": v for k, v in (per_type() if per_type else {}).items()})
         metrics.update({f"time/{k}": v for k, v in self.timers.pop().items()})
         return metrics
 
