@@ -52,14 +52,14 @@ def main(argv=None) -> int:
 
     cfg = load_config(args.config, args.set) if args.config else None
     if cfg is None and args.set:
-        from internlm_core.checkpoint.hf import find_checkpoint_config, local_checkpoint
+        from internlm_core.checkpoint.catalog import checkpoint_config, local_checkpoint
         from internlm_core.config import build_config, config_to_dict
         from internlm_core.config.loader import apply_overrides, parse_overrides
 
         if "://" in args.ckpt_dir:
             raise InternLMCoreError("--set with an s3:// checkpoint: pass --config with the run's config instead")
         with local_checkpoint(args.ckpt_dir, args.allow_incomplete) as (folder, _):
-            raw = config_to_dict(find_checkpoint_config(folder))
+            raw = config_to_dict(checkpoint_config(folder))
         cfg = build_config(apply_overrides(raw, parse_overrides(args.set)), source=f"{args.ckpt_dir} config")
     tokenizer = None if args.tokenizer == "none" else args.tokenizer
     t0 = time.perf_counter()

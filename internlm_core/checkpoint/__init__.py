@@ -1,16 +1,25 @@
 """Checkpoints on torch.distributed.checkpoint: sharded async save, exact resume, resharding, object storage.
 
-See `manager.py` (CheckpointManager) and `storage.py` (folder layout, local and s3:// destinations).
+By job: manager.py (CheckpointManager, orchestration), registry.py (what is saved), meta.py (meta.json and the
+marker), writer.py (one save: write, upload, marker), retention.py (keep_last_k, snapshot slots), restore.py
+(loading, other formats), catalog.py (which checkpoints exist, what a path names), storage.py / s3.py (where they
+live), collectives.py (the checkpoint's process group), safe_dcp.py / staging.py (DCP plumbing); Hugging Face
+interchange in hf.py, hf_names.py, safetensors_io.py, tokenizer_export.py.
 """
 
 from .callback import CheckpointCallback
-from .manager import (CONTENTS, RESUME_NOTES, CheckpointManager, CheckpointRef, LoadResult, SaveResult,
-                      find_complete_checkpoints, latest_checkpoint, normalize_content, register_model_loader)
+from .catalog import CheckpointRef, find_complete_checkpoints, latest_checkpoint
+from .manager import CheckpointManager
+from .meta import RESUME_NOTES
+from .registry import CONTENTS, normalize_content
+from .restore import FOREIGN_LOADERS, LoadResult
 from .rng import RNGState
+from .s3 import S3Storage
 from .safe_dcp import read_dcp_metadata
-from .storage import MARKER, META, SNAPSHOT_SLOTS, Destination, LocalDestination, S3Destination, parse_destination
+from .storage import MARKER, META, SNAPSHOT_SLOTS, LocalStorage, Storage, parse_destination
+from .writer import SaveResult
 
-__all__ = ["CONTENTS", "MARKER", "META", "RESUME_NOTES", "SNAPSHOT_SLOTS", "CheckpointCallback", "CheckpointManager",
-           "CheckpointRef", "Destination", "LoadResult", "LocalDestination", "RNGState", "S3Destination",
-           "SaveResult", "find_complete_checkpoints", "latest_checkpoint", "normalize_content", "parse_destination",
-           "read_dcp_metadata", "register_model_loader"]
+__all__ = ["CONTENTS", "FOREIGN_LOADERS", "MARKER", "META", "RESUME_NOTES", "SNAPSHOT_SLOTS", "CheckpointCallback",
+           "CheckpointManager", "CheckpointRef", "LoadResult", "LocalStorage", "RNGState", "S3Storage", "SaveResult",
+           "Storage", "find_complete_checkpoints", "latest_checkpoint", "normalize_content", "parse_destination",
+           "read_dcp_metadata"]

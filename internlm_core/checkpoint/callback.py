@@ -40,7 +40,7 @@ class CheckpointCallback(TrainerCallback):
         step = int(trainer.state.batch_count)
         req = getattr(trainer, "stop_request", None)
         stop_save = req is not None and (req.save or req.stop)
-        wanted = bool(getattr(self.manager.cfg, "save_at_end", True)) or stop_save
+        wanted = self.manager.cfg.save_at_end or stop_save
         if wanted and step > 0 and self.manager.last_saved_step != step and self.manager.save_enabled:
             self._save(trainer, step, req.reason if stop_save and req.reason else "end of training", "regular")
         self.manager.close()

@@ -1,4 +1,4 @@
-"""DCP without unpickling arbitrary objects, and a writer that can be interrupted on purpose in tests.
+"""DCP without unpickling arbitrary objects, a writer that can be interrupted on purpose in tests, DCP's errors.
 
 Stock DCP reads `.metadata` with `pickle.load` and non-tensor items with `torch.load(weights_only=False)`:
 a crafted checkpoint could run code on load. Here `.metadata` goes through an unpickler that only builds
@@ -16,6 +16,7 @@ from typing import Any, BinaryIO
 
 import torch
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint._nested_dict import flatten_state_dict
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
@@ -114,3 +115,22 @@ def flat_keys(state: dict) -> dict[str, Any]:
     """DCP's flattened view of a nested state dict: {"model.layers.0.w": tensor, "train_state.step": 3, ...}."""
     flat, _ = flatten_state_dict(state)
     return flat
+
+
+# DCP raises CheckpointException, a BaseException: catch it with the ordinary ones
+DCP_ERRORS = (Exception, CheckpointException)
+
+
+def unwrap(e: BaseException) -> BaseException:
+    """The first rank's underlying error of a DCP CheckpointException (ours if one of ours is there)."""
+    if isinstance(e, CheckpointException):
+        inner = [v[0] if isinstance(v, tuple) else v for v in e.failures.values()]
+        ours = [x for x in inner if isinstance(x, CheckpointError)]
+        if ours or inner:
+            return (ours or inner)[0]
+    return e
+
+
+def describe(e: BaseException) -> str:
+    """An error as one line: ours as its message, others with their type."""
+    return str(e) if isinstance(e, CheckpointError) else f"{type(e).__name__}: {e}"

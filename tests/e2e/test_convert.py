@@ -24,7 +24,8 @@ import json, sys
 import torch
 import torch.distributed as dist
 from internlm_core.checkpoint import CheckpointManager
-from internlm_core.checkpoint.hf import config_from_hf, load_hf_llama
+from internlm_core.checkpoint.hf import load_hf_llama
+from internlm_core.checkpoint.hf_names import config_from_hf
 from internlm_core.config import dump_yaml, load_config
 from internlm_core.distributed import ParallelDims, destroy_distributed, init_distributed
 from internlm_core.loss import FlashGPTLMLoss
@@ -181,7 +182,8 @@ def test_train_py_imports_hf_llama_under_fsdp(tmp_path):
     exports back to the very tensors of the Hugging Face folder."""
     from safetensors.torch import load_file
 
-    from internlm_core.checkpoint.hf import config_from_hf, read_hf_tensors
+    from internlm_core.checkpoint.hf_names import config_from_hf
+    from internlm_core.checkpoint.safetensors_io import read_hf_tensors
     from tests.helpers.launch import read_metrics, run_train
 
     hf_dir, ckpts, out = tmp_path / "hf_in", tmp_path / "ckpts", tmp_path / "hf_out"

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from internlm_core.checkpoint import MARKER, LocalDestination, latest_checkpoint
+from internlm_core.checkpoint import MARKER, LocalStorage, latest_checkpoint
 from internlm_core.checkpoint.faults import ENV as FAULT_ENV
 from tests.helpers.launch import read_metrics, run_train
 
@@ -70,14 +70,14 @@ def test_killed_while_writing_keeps_previous_checkpoint(tmp_path, reference, fau
     assert (ckpt / "5" / MARKER).is_file()
     assert list((ckpt / "10").glob("__0_*.distcp")) and not (ckpt / "10" / MARKER).exists()
     assert (ckpt / "10" / ".metadata").exists() == (fault.startswith("kill_before_marker"))
-    assert latest_checkpoint(LocalDestination(ckpt)).name == "5"
+    assert latest_checkpoint(LocalStorage(ckpt)).name == "5"
 
     q, resumed = resumed_run(tmp_path)
     assert f"loaded {ckpt / '5'} (step 5, regular" in q.stdout
     assert [r["step"] for r in resumed] == list(range(6, STEPS + 1))
     assert [r["loss"] for r in resumed] == [ref[s] for s in range(6, STEPS + 1)]
     marker = json.loads((ckpt / "10" / MARKER).read_text())  # rewritten by the resumed run
-    assert marker["step"] == 10 and LocalDestination(ckpt).verify("10", marker) is None
+    assert marker["step"] == 10 and LocalStorage(ckpt).verify("10", marker) is None
 
 
 def test_model_only_load_starts_fresh_optimizer_and_schedule(tmp_path, reference):

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import torch
 
-from internlm_core.checkpoint import MARKER, CheckpointManager, LocalDestination, find_complete_checkpoints, latest_checkpoint
+from internlm_core.checkpoint import MARKER, CheckpointManager, LocalStorage, find_complete_checkpoints, latest_checkpoint
 from internlm_core.checkpoint.safe_dcp import read_dcp_metadata
 from internlm_core.config import load_config
 from internlm_core.distributed import LaunchInfo
@@ -103,7 +103,7 @@ def test_auto_resume_picks_newest_complete_including_snapshots(tmp_path, caplog)
     sets = ("ckpt.checkpoint_every=4", "ckpt.oss_snapshot_freq=2", "ckpt.save_at_end=False")
     a = build(tmp_path, "a", 6, *sets)
     a.train()  # snapshot 2 → slot 0, regular 4, snapshot 6 → slot 1
-    dest = LocalDestination(tmp_path / "ckpt")
+    dest = LocalStorage(tmp_path / "ckpt")
     assert dest.read_marker("snapshot/0")["step"] == 2 and dest.read_marker("snapshot/1")["step"] == 6
     assert [(r.name, r.step) for r in find_complete_checkpoints(dest)] == [("snapshot/0", 2), ("4", 4), ("snapshot/1", 6)]
     assert latest_checkpoint(dest).name == "snapshot/1"
@@ -130,7 +130,7 @@ def test_keep_last_k_keeps_newest_and_just_written(tmp_path):
     (leftover / "__0_0.distcp").write_bytes(b"partial")  # an incomplete folder of a crashed run: never touched
     a = build(tmp_path, "a", 4, "ckpt.checkpoint_every=2", "ckpt.oss_snapshot_freq=3", "ckpt.keep_last_k=1")
     a.train()  # regular 2, snapshot 3, regular 4 (removes 2)
-    dest = LocalDestination(ckpt)
+    dest = LocalStorage(ckpt)
     assert sorted(dest.list_names()) == ["3", "4", "snapshot/0"]
     assert [r.name for r in find_complete_checkpoints(dest)] == ["snapshot/0", "4"]
 
@@ -278,7 +278,7 @@ def test_meta_json_records_layout_contents_and_config(tmp_path):
     assert meta["step"] == 2 and meta["num_consumed_tokens"] == 2 * 2 * 512
     assert meta["layout"] == {"world_size": 1, "dp": 1, "dp_shard": 1, "dp_replicate": 1, "tp": 1, "pp": 1, "zero1": -1}
     assert meta["contents"] == {"model": ["model"], "sampler": ["train_state", "data (one per dp_rank)",
-                                                                 "rng (one per rank)", "loss_health"],
+                                                                 "rng (one per rank)"],
                                 "optimizer": ["optimizer"], "scheduler": ["lr_scheduler", "beta2_scheduler"]}
     assert "other_layout" in meta["resume"] and "hidden_size: 128" in meta["config"]
     assert meta["state"]["train_state"]["batch_count"] == 2 and meta["state"]["lr_scheduler"]["last_step"] == 2
@@ -310,5 +310,5 @@ def test_stop_file_requests_are_saved(tmp_path, request_value, stop_at, saved):
     stop.write_text(str(request_value))  # after start-up, which resets the file to 0
     t.train()
     assert t.state.batch_count == stop_at
-    assert [r.name for r in find_complete_checkpoints(LocalDestination(tmp_path / "ckpt"))] == saved
+    assert [r.name for r in find_complete_checkpoints(LocalStorage(tmp_path / "ckpt"))] == saved
     assert t.checkpoint_manager.results[0].reason == f"stop file {stop}: {request_value}"

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from internlm_core.checkpoint import MARKER, S3Destination, latest_checkpoint
+from internlm_core.checkpoint import MARKER, S3Storage, latest_checkpoint
 from internlm_core.errors import CheckpointError
 from tests.unit.test_checkpoint import build, params
 
@@ -74,7 +74,7 @@ def test_upload_then_resume_from_s3(tmp_path, s3, caplog):
 def test_incomplete_remote_checkpoint_is_ignored(tmp_path, s3):
     a = s3_build(tmp_path, "a", 4, "ckpt.checkpoint_every=2")
     a.train()
-    dest = S3Destination(f"s3://{BUCKET}/runs/tiny")
+    dest = S3Storage(f"s3://{BUCKET}/runs/tiny")
     assert latest_checkpoint(dest).name == "4"
     s3["client"].delete_object(Bucket=BUCKET, Key="runs/tiny/4/COMPLETE")
     assert latest_checkpoint(dest).name == "2"
@@ -103,7 +103,7 @@ def test_failed_upload_is_retried_reported_and_keeps_the_last_good_one(tmp_path,
         s3["server"] = moto_server.ThreadedMotoServer(ip_address="127.0.0.1", port=s3["port"], verbose=False)
         s3["server"].start()
     # checkpoint 2 survived (keep_last_k only runs after a complete save) and is what resumes
-    assert latest_checkpoint(S3Destination(f"s3://{BUCKET}/runs/tiny")).step == 2
+    assert latest_checkpoint(S3Storage(f"s3://{BUCKET}/runs/tiny")).step == 2
     assert MARKER not in objects(s3["client"], "runs/tiny/4/")
     c = s3_build(tmp_path, "c", 4)
     assert c.checkpoint_manager.loaded.step == 2

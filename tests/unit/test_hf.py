@@ -13,9 +13,12 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 transformers = pytest.importorskip("transformers")
 
-from internlm_core.checkpoint.hf import (config_from_hf, expected_parameter_names, export_hf,  # noqa: E402
-                                         from_hf_state_dict, hf_to_ours_name, load_hf_llama, ours_to_hf_name,
-                                         parse_size, plan_shards, to_hf_state_dict, write_tokenizer_files)
+from internlm_core.checkpoint.hf import export_hf, load_hf_llama  # noqa: E402
+from internlm_core.checkpoint.hf_names import (config_from_hf, expected_parameter_names,  # noqa: E402
+                                               from_hf_state_dict, hf_to_ours_name, ours_to_hf_name,
+                                               to_hf_state_dict)
+from internlm_core.checkpoint.safetensors_io import parse_size, plan_shards  # noqa: E402
+from internlm_core.checkpoint.tokenizer_export import write_tokenizer_files  # noqa: E402
 from internlm_core.config import load_config  # noqa: E402
 from internlm_core.data.tokenizers import load_tokenizer  # noqa: E402
 from internlm_core.errors import CheckpointError  # noqa: E402
