@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 DEMO_DIR ?= build/demo
 STAMP := $(VENV)/.installed
 
-.PHONY: venv demo test test-fast bench clean
+.PHONY: venv demo lint test test-fast bench clean
 
 $(STAMP): requirements.txt requirements-dev.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -24,7 +24,11 @@ demo: $(STAMP)
 		--set data.train_folder=$(DEMO_DIR)/data/train data.valid_folder=$(DEMO_DIR)/data/valid model.vocab_size=512 data.total_steps=200 data.valid_every=40 monitor.log_every=20 adam.lr=1e-3 tokenizer=byte
 	$(PY) tools/plot_metrics.py $(DEMO_DIR)/run
 
-test: $(STAMP)
+# the layering of internlm_core (.importlinter, docs/architecture.md), then the tests
+lint: $(STAMP)
+	$(VENV)/bin/lint-imports
+
+test: lint
 	$(PY) -m pytest -q --timeout=600 tests
 
 test-fast: $(STAMP)

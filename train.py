@@ -36,7 +36,7 @@ def main(argv=None, extra_callbacks=None) -> int:
 
     if args.dry_run:
         from internlm_core.model import build_model, count_parameters, model_args_from_config
-        from internlm_core.utils.estimate import describe
+        from internlm_core.estimate import describe
         cfg = load_config(args.config, args.set)
         n = count_parameters(build_model(cfg, "meta"))
         print(describe(cfg, model_args_from_config(cfg)))

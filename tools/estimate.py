@@ -25,7 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    from internlm_core.utils.estimate import DEFAULT_MFU, DEFAULT_PEAK_TFLOPS, PRECISIONS
+    from internlm_core.estimate import DEFAULT_MFU, DEFAULT_PEAK_TFLOPS, PRECISIONS
 
     p = argparse.ArgumentParser(description="Estimate parameters, FLOPs, memory per device and step time of a config.")
     p.add_argument("--config", required=True, help="Python (.py) or YAML config file")
@@ -53,7 +53,7 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     from internlm_core.config import load_config
     from internlm_core.errors import ConfigError
-    from internlm_core.utils.estimate import GiB, Memory, estimate, format_estimate
+    from internlm_core.estimate import GiB, Memory, estimate, format_estimate
 
     if args.gpus < 1:
         raise ConfigError(f"--gpus: expected a positive number of devices, got {args.gpus}")

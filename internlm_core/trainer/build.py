@@ -18,15 +18,13 @@ from ..config import Config, dump_yaml
 from ..distributed import LaunchInfo, ParallelDims, set_deterministic, set_seed
 from ..loss import FlashGPTLMLoss
 from ..metrics import AccPerplex, Throughput
-from ..monitor import (AlertManager, build_loss_health, build_stop_controller, build_straggler_monitor,
-                       build_watchdog)
+from ..monitor import (AlertManager, MemoryProfiler, build_loss_health, build_profiler, build_stop_controller,
+                       build_straggler_monitor, build_watchdog)
 from ..model import build_model, count_parameters, model_args_from_config, model_flops_per_token, model_spec
 from ..optim import Beta2Scheduler, DynamicGradScaler, WarmupCosineLR, build_optimizer
 from ..parallel import parallelize_model
 from ..utils.logging import get_logger
-from ..utils.memory import MemoryProfiler
 from ..utils.peak import device_peak_flops
-from ..utils.profiler import build_profiler
 from ..utils.timer import Timers
 from ..utils.writer import MetricsWriter
 from ..callbacks import CallbackList, TrainerCallback

@@ -8,7 +8,7 @@ import sys
 import time
 from pathlib import Path
 
-from internlm_core.monitor.receiver import WebhookReceiver
+from tests.helpers.webhook_receiver import WebhookReceiver
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from internlm_core.monitor.receiver import WebhookReceiver
+from tests.helpers.webhook_receiver import WebhookReceiver
 from tests.helpers.launch import ROOT, env, read_metrics, run_train
 
 pytestmark = pytest.mark.slow

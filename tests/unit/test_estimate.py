@@ -11,7 +11,7 @@ import torch
 from internlm_core.config import load_config
 from internlm_core.loss import FlashGPTLMLoss
 from internlm_core.model import build_model
-from internlm_core.utils.estimate import GiB, estimate, format_estimate
+from internlm_core.estimate import GiB, estimate, format_estimate
 from tests.helpers.launch import ROOT, env, run_train
 
 # ---- activations: the estimate's terms against what autograd really keeps ------------------------------------

@@ -8,7 +8,7 @@ from types import SimpleNamespace
 import pytest
 
 from internlm_core.monitor.alert import AlertManager, FeishuSink, FileSink, WebhookSink, build_alert_manager
-from internlm_core.monitor.receiver import WebhookReceiver
+from tests.helpers.webhook_receiver import WebhookReceiver
 
 
 @pytest.fixture

@@ -12,7 +12,7 @@ import pytest
 from internlm_core.errors import ConfigError
 from internlm_core.monitor.alert import AlertManager, WebhookSink
 from internlm_core.monitor.exception_monitor import ExceptionMonitor, monitored
-from internlm_core.monitor.receiver import WebhookReceiver
+from tests.helpers.webhook_receiver import WebhookReceiver
 from internlm_core.utils.logging import setup_logging
 
 REPO = Path(__file__).resolve().parents[2]

@@ -7,7 +7,7 @@ import pytest
 from internlm_core.errors import TrainingError
 from internlm_core.monitor.alert import AlertManager, WebhookSink
 from internlm_core.monitor.loss_health import LossHealthMonitor, build_loss_health
-from internlm_core.monitor.receiver import WebhookReceiver
+from tests.helpers.webhook_receiver import WebhookReceiver
 
 
 def metrics(step, loss, skipped=False, grad_norm=1.0, skips=0):

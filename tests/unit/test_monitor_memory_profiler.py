@@ -5,9 +5,10 @@ from types import SimpleNamespace
 
 import torch
 
-from internlm_core.utils.memory import (MemoryProfiler, optimizer_state_bytes, parameter_bytes, process_peak_rss,
+from internlm_core.monitor.memory_report import MemoryProfiler
+from internlm_core.utils.memory import (optimizer_state_bytes, parameter_bytes, process_peak_rss,
                                         process_rss, tensor_bytes)
-from internlm_core.utils.profiler import TorchProfiler, build_profiler
+from internlm_core.monitor.profiler import TorchProfiler, build_profiler
 
 MiB = 1024**2
 

@@ -7,7 +7,7 @@ import time
 import pytest
 
 from internlm_core.monitor.alert import AlertManager, WebhookSink
-from internlm_core.monitor.receiver import WebhookReceiver
+from tests.helpers.webhook_receiver import WebhookReceiver
 from internlm_core.monitor.watchdog import HangWatchdog, build_watchdog
 
 

@@ -48,8 +48,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Optional
 
-from ..config import Config
-from ..model import ModelArgs, analytic_parameter_count, flops_per_token
+from .config import Config
+from .model import ModelArgs, analytic_parameter_count, flops_per_token
 
 GiB = 1024**3
 PRECISIONS = ("internlm_core", "internlm")
@@ -141,7 +141,7 @@ class Estimate:
 
 def keys_per_query(seq_len: int) -> float:
     """Mean number of keys a query of `blocked_causal_attention` scores (whole diagonal blocks included)."""
-    from ..model.attention import CAUSAL_BLOCK
+    from .model.attention import CAUSAL_BLOCK
     return sum((min(s + CAUSAL_BLOCK, seq_len) - s) * min(s + CAUSAL_BLOCK, seq_len)
                for s in range(0, seq_len, CAUSAL_BLOCK)) / seq_len
 
@@ -171,7 +171,7 @@ def estimate(cfg: Config, world_size: int = 1, precision: str = "internlm_core",
     if precision not in PRECISIONS:
         raise ValueError(f"precision {precision!r}: expected one of {PRECISIONS}")
     if args is None:
-        from ..model import model_args_from_config
+        from .model import model_args_from_config
         args = model_args_from_config(cfg, "cuda", quiet=True)
     m, d = cfg.model, cfg.data
     lay = Layout.from_config(cfg, world_size)

@@ -20,8 +20,8 @@ from typing import Any, Optional
 import torch
 from torch.profiler import ProfilerActivity, profile, schedule, tensorboard_trace_handler
 
-from internlm_core.callbacks import TrainerCallback
-from internlm_core.utils.logging import get_logger
+from ..callbacks import TrainerCallback
+from ..utils.logging import get_logger
 
 logger = get_logger(__name__)
 
