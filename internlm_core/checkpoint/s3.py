@@ -19,8 +19,6 @@ from .storage import STEP_NAME, MARKER, SNAPSHOT_SLOTS, Storage, retry
 class S3Storage(Storage):
     """`s3://bucket/prefix` through boto3; checkpoints are written locally first, then uploaded."""
 
-    remote = True
-
     def __init__(self, url: str, attempts: int = 3, backoff_s: float = 1.0):
         m = re.match(r"^s3://([^/]+)/?(.*)$", url)
         if not m:

@@ -14,6 +14,7 @@ import json
 import shutil
 import threading
 import time
+from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
@@ -50,7 +51,7 @@ class SaveResult:
     bytes: int = 0
 
 
-class WriteTarget:
+class WriteTarget(ABC):
     """The local folder DCP writes checkpoint `name` into, and how its files then reach the storage."""
 
     kept_note = ""  # what a failure message says about the written files
@@ -58,8 +59,9 @@ class WriteTarget:
     def __init__(self, storage: Storage, name: str, folder: Path):
         self.storage, self.name, self.folder = storage, name, folder
 
+    @abstractmethod
     def _clear(self, coll: Collectives) -> None:
-        raise NotImplementedError
+        """Remove what an earlier checkpoint of the same name left in the way (OSError on failure)."""
 
     def prepare(self, coll: Collectives) -> None:
         """An empty folder to write into on every rank (an old checkpoint of the same name is set aside first)."""

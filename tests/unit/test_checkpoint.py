@@ -278,7 +278,7 @@ def test_meta_json_records_layout_contents_and_config(tmp_path):
     assert meta["step"] == 2 and meta["num_consumed_tokens"] == 2 * 2 * 512
     assert meta["layout"] == {"world_size": 1, "dp": 1, "dp_shard": 1, "dp_replicate": 1, "tp": 1, "pp": 1, "zero1": -1}
     assert meta["contents"] == {"model": ["model"], "sampler": ["train_state", "data (one per dp_rank)",
-                                                                 "rng (one per rank)", "loss_health"],
+                                                                 "rng (one per rank)"],
                                 "optimizer": ["optimizer"], "scheduler": ["lr_scheduler", "beta2_scheduler"]}
     assert "other_layout" in meta["resume"] and "hidden_size: 128" in meta["config"]
     assert meta["state"]["train_state"]["batch_count"] == 2 and meta["state"]["lr_scheduler"]["last_step"] == 2
@@ -299,6 +299,33 @@ def test_register_rejects_bad_entries():
         m.register("y", object(), content="sampler")
     m.register("z", None, content="sampler")  # an absent component (no grad scaler) is skipped
     assert m.registered == {}
+
+
+class _CopiesOnly(LocalStorage):
+    """A folder reached through copies only, as object storage is."""
+
+    def local_path(self, name):
+        return None
+
+
+def test_storage_without_local_path_is_staged_uploaded_and_downloaded(tmp_path, monkeypatch):
+    """The manager needs the Storage protocol only: a backend without a local path is written through the staging
+    folder (then uploaded file by file, marker last) and read back through a download, as s3:// is."""
+    import internlm_core.checkpoint.manager as manager_module
+    monkeypatch.setattr(manager_module, "parse_destination", lambda url, *a: _CopiesOnly(url))
+    stage = f"ckpt.async_upload_tmp_folder={tmp_path / 'stage'}"
+    a = build(tmp_path, "a", 2, stage)
+    a.train()
+    dest = LocalStorage(tmp_path / "ckpt")
+    marker = dest.read_marker("2")
+    assert marker["step"] == 2 and dest.verify("2", marker) is None
+    assert {".metadata", "__0_0.distcp", "meta.json", "config.yaml"} <= set(marker["files"])
+    assert not (tmp_path / "stage/upload/2").exists()  # the staged copy goes once the checkpoint is complete
+    b = build(tmp_path, "b", 2, stage)
+    assert b.checkpoint_manager.loaded.step == 2 and b.state.batch_count == 2
+    for name, t in params(a).items():
+        assert torch.equal(params(b)[name], t), name
+    assert not list((tmp_path / "stage/download").glob("*"))
 
 
 @pytest.mark.parametrize("request_value,stop_at,saved", [(5, 5, ["5"]), (-3, 6, ["3", "6"])])
