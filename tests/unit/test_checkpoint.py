@@ -278,7 +278,7 @@ def test_meta_json_records_layout_contents_and_config(tmp_path):
     assert meta["step"] == 2 and meta["num_consumed_tokens"] == 2 * 2 * 512
     assert meta["layout"] == {"world_size": 1, "dp": 1, "dp_shard": 1, "dp_replicate": 1, "tp": 1, "pp": 1, "zero1": -1}
     assert meta["contents"] == {"model": ["model"], "sampler": ["train_state", "data (one per dp_rank)",
-                                                                 "rng (one per rank)"],
+                                                                 "rng (one per rank)", "loss_health"],
                                 "optimizer": ["optimizer"], "scheduler": ["lr_scheduler", "beta2_scheduler"]}
     assert "other_layout" in meta["resume"] and "hidden_size: 128" in meta["config"]
     assert meta["state"]["train_state"]["batch_count"] == 2 and meta["state"]["lr_scheduler"]["last_step"] == 2
