@@ -39,7 +39,7 @@ from ._dist import dist_ready
 
 logger = get_logger(__name__)
 
-DEFAULT_TIME_KEYS = ("time/data", "time/fwd", "time/cal_loss", "time/bwd")
+DEFAULT_TIME_KEYS = ("time/data", "time/fwd", "time/cal_loss", "time/bwd", "time/fwd_bwd")
 
 
 @dataclass
@@ -57,16 +57,21 @@ class StragglerReport:
     outlier_ratio: float
     ranks: list[int]
     hosts: list[str]
-    times: dict[str, list[float]]  # measure -> seconds per rank (in `ranks` order)
+    # measure -> seconds per rank (in `ranks` order); None where a rank does not time that phase (under
+    # pipeline parallel only the last stage computes the loss)
+    times: dict[str, list[Optional[float]]]
     stragglers: list[Straggler] = field(default_factory=list)
 
+    def values(self, measure: str) -> list[float]:
+        return [v for v in self.times[measure] if v is not None]
+
     def mean(self, measure: str) -> float:
-        values = self.times[measure]
+        values = self.values(measure)
         return sum(values) / len(values)
 
     def format(self) -> str:
         at = f"step {self.step}: " if self.step is not None else ""
-        means = ", ".join(f"{m} mean {self.mean(m):.4f} s max {max(v):.4f} s" for m, v in self.times.items())
+        means = ", ".join(f"{m} mean {self.mean(m):.4f} s max {max(self.values(m)):.4f} s" for m in self.times)
         if not self.stragglers:
             return f"{at}no straggler among {len(self.ranks)} rank(s) ({means})"
         slow = "; ".join(f"rank {s.rank} ({s.host}) {s.measure} {s.seconds:.4f} s = {s.ratio:.2f}x the mean"
@@ -78,8 +83,9 @@ def diagnose_stragglers(times: Union[float, Mapping[str, float]], outlier_ratio:
                         group: Optional[dist.ProcessGroup] = None) -> StragglerReport:
     """All-gather this rank's times (seconds; a float means {"step_time": t}) and host; same report on every rank.
 
-    A collective: every rank of `group` must call it, with the same measure names. Without a process
-    group it reports this process alone.
+    A collective: every rank of `group` must call it. Ranks may time different phases (a pipeline stage
+    without the loss has no `time/cal_loss`): each measure is compared among the ranks that have it.
+    Without a process group it reports this process alone.
     """
     mine = {"step_time": float(times)} if isinstance(times, (int, float)) else {k: float(v) for k, v in times.items()}
     host = socket.gethostname()
@@ -90,12 +96,13 @@ def diagnose_stragglers(times: Union[float, Mapping[str, float]], outlier_ratio:
     else:
         gathered, ranks = [(mine, host)], [0]
     hosts = [h for _, h in gathered]
-    per_measure = {m: [float(t[m]) for t, _ in gathered] for m in mine}
+    names = list(dict.fromkeys(m for t, _ in gathered for m in t))  # every rank's measures, first seen first
+    per_measure = {m: [float(t[m]) if m in t else None for t, _ in gathered] for m in names}
     report = StragglerReport(step=step, outlier_ratio=outlier_ratio, ranks=ranks, hosts=hosts, times=per_measure)
     for m, values in per_measure.items():
-        mean = sum(values) / len(values)
+        mean = report.mean(m)
         for r, h, v in zip(ranks, hosts, values):
-            if mean > 0 and v > outlier_ratio * mean:
+            if v is not None and mean > 0 and v > outlier_ratio * mean:
                 report.stragglers.append(Straggler(rank=r, host=h, measure=m, seconds=v, ratio=v / mean))
     return report
 

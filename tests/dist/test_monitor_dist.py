@@ -50,7 +50,7 @@ result["dtensor_param_bytes"] = parameter_bytes(lin)
 result["dtensor_bytes"] = tensor_bytes([distribute_tensor(torch.zeros(16, 4), mesh, [Shard(0)])])
 
 stop = StopController(out / "stop_file", rank=rank, signals=(signal.SIGTERM, signal.SIGUSR1))
-diag = StragglerMonitor(interval=2, outlier_ratio=1.5, rank=rank, time_keys=("time/fwd",))
+diag = StragglerMonitor(interval=2, outlier_ratio=1.5, rank=rank, time_keys=("time/fwd", "time/cal_loss"))
 if rank == 0:
     (out / "stop_file").write_text("-2")   # save (only) at step 2
 dist.barrier()
@@ -62,7 +62,8 @@ for step in range(1, 20):
     fwd = time.perf_counter() - t0
     if rank == 1 and step == 4:
         os.kill(os.getpid(), signal.SIGUSR1)
-    diag.on_step_end(None, {"step": step, "time/fwd": fwd})
+    # only rank 1 times the loss, as only the last stage does under pipeline parallel
+    diag.on_step_end(None, {"step": step, "time/fwd": fwd, **({"time/cal_loss": 0.01} if rank == 1 else {})})
     d = stop.poll(step)
     decisions.append([step, d.save, d.stop, d.reason])
     if d.stop:
@@ -71,7 +72,7 @@ stop.close()
 r = diag.last_report
 result.update(decisions=decisions, report=r.format(), hosts=r.hosts, measures=sorted(r.times),
               compute_stragglers=[s.rank for s in r.stragglers if s.measure == "time/fwd"],
-              report_step=r.step)
+              report_step=r.step, cal_loss=r.times["time/cal_loss"])
 (out / f"result{rank}.json").write_text(json.dumps(result))
 dist.destroy_process_group()
 '''
@@ -152,7 +153,8 @@ def test_stragglers_stop_file_and_signal_agreement(tmp_path):
     assert len(r0["decisions"]) == len(r1["decisions"]) == 4
     # rank 1's timed section takes 0.25 s per step against 0.02 s: it is the straggler in both ranks' reports
     assert r0["report_step"] == r1["report_step"] == 4
-    assert r0["measures"] == ["bench", "time/fwd"]
+    assert r0["measures"] == ["bench", "time/cal_loss", "time/fwd"]
+    assert r0["cal_loss"][0] is None and r0["cal_loss"][1] > 0  # compared among the ranks that time it
     assert r0["compute_stragglers"] == r1["compute_stragglers"] == [1]
     assert r0["hosts"] == [socket.gethostname()] * 2
     assert f"rank 1 ({socket.gethostname()}) time/fwd 0.5" in r0["report"]
