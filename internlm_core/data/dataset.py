@@ -59,10 +59,17 @@ def find_bin_files(folder: str) -> list[str]:
     return out
 
 
+_EXTS = (".bin", ".jsonl.gz", ".jsonl", ".txt.gz", ".txt", ".parquet")  # stripped from a file's type name
+
+
 def _top_entry(folder: str, path: str) -> str:
     rel = os.path.relpath(path, folder)
     first = rel.split(os.sep)[0]
-    return first[: -len(".bin")] if first == rel else first
+    if first == rel:
+        for ext in _EXTS:
+            if first.endswith(ext):
+                return first[: -len(ext)]
+    return first
 
 
 def type_names_for(folder: str, files: Sequence[str], mode: str) -> tuple[dict[int, str], list[int]]:

@@ -1,8 +1,9 @@
 """Mixing dataset types by weight (`data.dataset_weights`), as Megatron's BlendedDataset does.
 
-Each type is its own stream of packed rows (its documents shuffled per epoch, see index.py). The weights are
-rounded to integers ``q_t`` out of at most `RESOLUTION` (shares exact to 1/RESOLUTION) and reduced by their common
-divisor; one period of ``D = sum(q_t)`` global rows gives type t exactly ``q_t`` rows, interleaved as evenly as
+Each type is its own stream of packed rows (its documents shuffled per epoch, see index.py). The weights become
+integers ``q_t``: the shares in the smallest period of at most `RESOLUTION` rows in which every share is a whole
+number of rows (0.8/0.2: 4 and 1 of 5), else the shares rounded to 1/RESOLUTION. One period of ``D = sum(q_t)``
+global rows gives type t exactly ``q_t`` rows, interleaved as evenly as
 possible: the k-th row of type t sits at time ``(k + 1/2) / q_t`` of the period, and rows are taken in time order.
 So over any window of rows each type's share of tokens is its weight up to about one row per type, the
 assignment of global row g is a closed form (g // D periods, then the schedule), and it does not depend on the
@@ -45,13 +46,17 @@ class Mixture:
         self.types = sorted(w)  # stream i holds type self.types[i]
         total = sum(w.values())
         self.weights = [w[t] / total for t in self.types]
-        q = [round(x * RESOLUTION) for x in self.weights]
+        ws = np.asarray(self.weights)
+        scaled = np.arange(1, RESOLUTION + 1)[:, None] * ws[None, :]  # the smallest exact period, if any (0.8/0.2: 5)
+        exact = np.nonzero(np.abs(scaled - np.round(scaled)).max(axis=1) < 1e-6)[0]
+        D = int(exact[0]) + 1 if len(exact) else RESOLUTION
+        q = [int(round(x * D)) for x in self.weights]
         if min(q) < 1:
             small = type_names[self.types[q.index(min(q))]]
             raise DataError(f"data.dataset_weights[{small!r}]: weight {w[self.types[q.index(min(q))]]} is below "
                             f"1/{RESOLUTION} of the total; raise it or remove the type's files")
         g = math.gcd(*q)
-        self.q = np.asarray([x // g for x in q], dtype=np.int64)
+        self.q = np.asarray([x // g for x in q], dtype=np.int64)  # tokens of type t: q_t / D of the rows
         self.period = int(self.q.sum())
         keys = np.concatenate([(np.arange(n) + 0.5) / n for n in self.q.tolist()])
         owner = np.concatenate([np.full(n, i) for i, n in enumerate(self.q.tolist())])
