@@ -8,7 +8,7 @@ interchange in hf.py, hf_names.py, safetensors_io.py, tokenizer_export.py.
 """
 
 from .callback import CheckpointCallback
-from .catalog import CheckpointRef, find_complete_checkpoints, latest_checkpoint
+from .catalog import CheckpointRef, find_complete_checkpoints, latest_checkpoint, parse_destination
 from .manager import CheckpointManager
 from .meta import RESUME_NOTES
 from .registry import CONTENTS, normalize_content
@@ -16,7 +16,7 @@ from .restore import FOREIGN_LOADERS, LoadResult
 from .rng import RNGState
 from .s3 import S3Storage
 from .safe_dcp import read_dcp_metadata
-from .storage import MARKER, META, SNAPSHOT_SLOTS, LocalStorage, Storage, parse_destination
+from .storage import MARKER, META, SNAPSHOT_SLOTS, LocalStorage, Storage
 from .writer import SaveResult
 
 __all__ = ["CONTENTS", "FOREIGN_LOADERS", "MARKER", "META", "RESUME_NOTES", "SNAPSHOT_SLOTS", "CheckpointCallback",

@@ -1,22 +1,37 @@
-"""Which checkpoints exist: the complete ones under a destination, the newest, what a path or URL names, and what
-a checkpoint says about itself (meta.json, the run's config). Used by resume, loading and tools/convert2hf.py."""
+"""Which checkpoints exist: the storage a path or URL names, the complete checkpoints there, the newest, which one a
+path names, and what a checkpoint says about itself (meta.json, the run's config). Used by resume, loading and
+tools/convert2hf.py."""
 
 from __future__ import annotations
 
 import contextlib
 import json
 import os
+import re
 import shutil
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator, Optional
 
+from ..config.loader import strip_location_prefix
 from ..errors import CheckpointError
 from ..utils.logging import get_logger
-from .storage import CONFIG, MARKER, META, Storage, parse_destination
+from .s3 import S3Storage
+from .storage import CONFIG, MARKER, META, LocalStorage, Storage
 
 logger = get_logger(__name__)
+
+
+def parse_destination(url: str | os.PathLike, attempts: int = 3, backoff_s: float = 1.0) -> Storage:
+    """A local folder or `s3://bucket/prefix` (InternLM's `local:` / `boto3:` prefixes allowed)."""
+    text = strip_location_prefix(str(url))
+    if text.startswith("s3://"):
+        return S3Storage(text, attempts, backoff_s)
+    if re.match(r"^[a-zA-Z][a-zA-Z0-9+.-]*://", text):
+        raise CheckpointError(f"checkpoint location {text!r}: unsupported scheme; expected a local folder or "
+                              "s3://bucket/prefix")
+    return LocalStorage(text)
 
 
 @dataclass

@@ -35,13 +35,13 @@ import torch
 
 from ..errors import CheckpointError
 from ..utils.logging import get_logger
-from .catalog import CheckpointRef, latest_checkpoint, read_meta, resolve
+from .catalog import CheckpointRef, latest_checkpoint, parse_destination, read_meta, resolve
 from .collectives import Collectives
 from .meta import build_meta
 from .registry import CONTENTS, StateRegistry, normalize_content
 from .restore import FOREIGN_LOADERS, LoadResult, local_copy, read_into
 from .retention import SnapshotSlots
-from .storage import Storage, parse_destination
+from .storage import Storage
 from .writer import CheckpointWriter, SaveResult, write_target
 
 if TYPE_CHECKING:

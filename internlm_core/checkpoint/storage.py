@@ -1,5 +1,5 @@
 """Where checkpoints live, behind one interface: `Storage`, with a local folder (`LocalStorage`) and an object store
-(`S3Storage` in s3.py, `s3://bucket/prefix`). `parse_destination` turns a path or URL into one of them.
+(`S3Storage` in s3.py, `s3://bucket/prefix`). `catalog.parse_destination` turns a path or URL into one of them.
 
 Layout under a destination (InternLM's: a folder per step, two snapshot slots):
 
@@ -259,18 +259,3 @@ class LocalStorage(Storage):
         for parent in (self.root, self.root / "snapshot"):
             for trash in parent.glob(f"{_TRASH}*"):
                 shutil.rmtree(trash, ignore_errors=True)
-
-
-def parse_destination(url: str | os.PathLike, attempts: int = 3, backoff_s: float = 1.0) -> Storage:
-    """A local folder or `s3://bucket/prefix` (InternLM's `local:` / `boto3:` prefixes allowed)."""
-    from ..config.loader import strip_location_prefix  # here, not at the top: config imports the model package
-
-    text = strip_location_prefix(str(url))
-    if text.startswith("s3://"):
-        from .s3 import S3Storage
-
-        return S3Storage(text, attempts, backoff_s)
-    if re.match(r"^[a-zA-Z][a-zA-Z0-9+.-]*://", text):
-        raise CheckpointError(f"checkpoint location {text!r}: unsupported scheme; expected a local folder or "
-                              "s3://bucket/prefix")
-    return LocalStorage(text)
