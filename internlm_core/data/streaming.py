@@ -269,7 +269,7 @@ class StreamingLoader(_Prefetch):
 
     def _snapshot(self) -> Dict[str, Any]:
         return {"rows_consumed": self._next, "streams": [c.state() for c in self.cursors],
-                "tokens_per_type": {self._type_names[t]: n for t, n in self._counts.items()}}
+                "tokens_per_type": {n: int(self._counts.get(t, 0)) for t, n in self._type_names.items()}}
 
     def _restore(self, snap: Dict[str, Any]) -> None:
         if len(snap["streams"]) != len(self.cursors):
@@ -310,9 +310,9 @@ class StreamingLoader(_Prefetch):
 
     def consumed_tokens_per_type(self) -> Dict[str, int]:
         snap = self._snapshots.get(self.consumed)
-        if snap is not None:
-            return dict(snap["tokens_per_type"])
-        return {self._type_names[t]: n for t, n in self._counts.items()}
+        if snap is None:
+            snap = self._snapshot()
+        return dict(snap["tokens_per_type"])
 
     def state_dict(self) -> Dict[str, Any]:
         snap = self._snapshots.get(self.consumed)
