@@ -18,7 +18,8 @@ Documents: txt → every non-empty stripped line; json/jsonl → the `--text-key
 BOS/EOS: added around every document by default (InternLM's data: add_bos_token=True, add_eos_token=True);
 `--no-add-bos` / `--no-add-eos` turn them off.
 
-Output: ours by default (compact fixed-width ids, see internlm_core/data/formats.py), or `--format internlm`.
+Output: ours by default (compact fixed-width ids, see internlm_core/data/formats.py), `--format internlm`, or
+`--format megatron` (X.bin + X.idx as Megatron-LM / GPT-NeoX / NeMo read them, see internlm_core/data/megatron.py).
 Files are written under a temporary name and renamed when complete; an existing output is replaced (InternLM's
 tool appended to it). Errors print one line naming the file and line and exit with status 1; `--on-error skip`
 skips bad lines (malformed JSON, missing text field, non-UTF-8) and empty files, and counts them in the summary.
@@ -58,8 +59,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "(whole json.dumps-ed record / raw jsonl line)")
     p.add_argument("--internlm-compat", action="store_true",
                    help="tokenize exactly what InternLM's tools/tokenizer.py did (same as --text-key '')")
-    p.add_argument("--format", dest="fmt", choices=("ours", "internlm"), default="ours",
-                   help="output format: ours (compact binary, default) or internlm ({\"tokens\": [...]} lines)")
+    p.add_argument("--format", dest="fmt", choices=("ours", "internlm", "megatron"), default="ours",
+                   help="output format: ours (compact binary, default), internlm ({\"tokens\": [...]} lines) or "
+                        "megatron (X.bin + X.idx, Megatron-LM's indexed dataset)")
     p.add_argument("--add-bos", "--add_bos_token", dest="add_bos", action=argparse.BooleanOptionalAction,
                    default=True, help="put BOS before every document (default on)")
     p.add_argument("--add-eos", "--add_eos_token", dest="add_eos", action=argparse.BooleanOptionalAction,
@@ -113,7 +115,8 @@ def main(argv=None) -> int:
     if stats.empty_texts:
         print(f"skipped {stats.empty_texts} records with empty text")
     for src, dst, docs, toks in stats.outputs[:20]:
-        print(f"  {src} -> {dst} (+ .meta): {docs} documents, {toks} tokens")
+        index = os.path.basename(dst[:-4] + ".idx") if args.fmt == "megatron" else ".meta"
+        print(f"  {src} -> {dst} (+ {index}): {docs} documents, {toks} tokens")
     if len(stats.outputs) > 20:
         print(f"  ... and {len(stats.outputs) - 20} more files")
     return 0

@@ -438,4 +438,6 @@ def tokenize_paths(input_path: str, output_path: str, tokenizer, opts: Options,
 
 
 def describe_dtype(fmt: str, vocab_size: int) -> str:
+    if fmt == "megatron":
+        return "uint16" if vocab_size <= 2**16 else "int32"
     return "JSON lines" if fmt == "internlm" else f"{dtype_for(vocab_size).name}"

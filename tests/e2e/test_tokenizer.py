@@ -69,6 +69,23 @@ def test_default_format_reads_back_same_ids(tmp_path):
     assert out.stat().st_size < (FIX / "corpus_txt.bin").stat().st_size
 
 
+def test_megatron_format_is_read_by_megatron_core(tmp_path):
+    out = tmp_path / "m" / "corpus.bin"
+    rc, stdout, err = run("--input", FIX / "corpus.txt", "--output", out, "--tokenizer", MODEL, "--format", "megatron")
+    assert rc == 0, err
+    assert "(+ corpus.idx)" in stdout and (tmp_path / "m" / "corpus.idx").exists()
+    ours, theirs = open_token_file(str(out)), open_token_file(str(FIX / "corpus_txt.bin"))
+    assert ours.format == "megatron" and ours.dtype == np.dtype("<i4")  # V7's 103168 ids need int32
+    assert ours.num_docs == theirs.num_docs
+    assert all(np.array_equal(ours.read(i), theirs.read(i)) for i in range(ours.num_docs))
+    import warnings
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        idx = pytest.importorskip("megatron.core.datasets.indexed_dataset")
+    ds = idx.IndexedDataset(str(tmp_path / "m" / "corpus"))
+    assert len(ds) == theirs.num_docs and all(ds[i].tolist() == theirs.read(i).tolist() for i in range(len(ds)))
+
+
 def test_folder_tree_gz_and_mirroring(tmp_path):
     src = tmp_path / "raw"
     (src / "en").mkdir(parents=True)
