@@ -160,7 +160,7 @@ class DocTable:
     """
 
     def __init__(self, sources: list, source_types: Sequence[int], type_names: dict,
-                 lengths: Union[FileArray, np.ndarray], source_tokens: Sequence[int]):
+                 lengths: Union[FileArray, np.ndarray], source_tokens: Sequence[int], min_length: int = 0):
         self.sources = list(sources)
         self.source_types = np.asarray(source_types, dtype=np.int64)
         self.type_names = dict(type_names)
@@ -170,6 +170,7 @@ class DocTable:
             self.starts.append(self.starts[-1] + c)
         self._starts = np.asarray(self.starts, dtype=np.int64)
         self.lengths = lengths
+        self.keep_min = max(1, int(min_length))
         self.num_docs = self.starts[-1]
         self.source_tokens = [int(x) for x in source_tokens]
         self.num_tokens = sum(self.source_tokens)
@@ -182,7 +183,11 @@ class DocTable:
         return s, g - self.starts[s]
 
     def length(self, g: int) -> int:
-        return int(self.lengths[g])
+        if isinstance(self.lengths, np.ndarray):
+            return int(self.lengths[g])
+        s = bisect.bisect_right(self.starts, g) - 1  # the source's own index: its entry is read with the tokens
+        n = self.sources[s].length(g - self.starts[s])
+        return n if n >= self.keep_min else 0
 
     def lengths_range(self, g0: int, g1: int) -> np.ndarray:
         if isinstance(self.lengths, FileArray):
@@ -221,7 +226,7 @@ class DocTable:
                             source.num_docs, keep_min)
             parts.append(eff)
         lengths = np.concatenate(parts) if parts else np.zeros(0, np.int64)
-        table = cls(sources, source_types, type_names, lengths, [int(p.sum()) for p in parts])
+        table = cls(sources, source_types, type_names, lengths, [int(p.sum()) for p in parts], min_length)
         if table.num_tokens == 0:
             raise DataError(no_documents_message(what, sources, min_length))
         return table

@@ -170,12 +170,11 @@ class OursTokenFile(TokenFile):
         return d
 
     def length(self, i: int) -> int:
-        o = self.offsets[i:i + 2]
-        return int(o[1] - o[0])
+        a, b = self.offsets.pair(i)
+        return b - a
 
     def _tokens(self, i: int, start: int, stop: Optional[int]) -> np.ndarray:
-        o = self.offsets[i:i + 2]
-        base, end = int(o[0]), int(o[1])
+        base, end = self.offsets.pair(i)
         stop = end - base if stop is None else min(stop, end - base)
         n = max(0, stop - start)
         item = self.dtype.itemsize

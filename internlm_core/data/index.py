@@ -164,7 +164,8 @@ def scan_table(sources: list, source_types: Sequence[int], type_names: dict, roo
     if meta.get("fingerprint") != fingerprint or len(meta.get("sources", [])) != len(sources):
         raise DataError(f"{scan}: the index cache does not match the data (remove the folder to rebuild it)")
     lengths = npy_array(os.path.join(scan, "lengths.npy"), block=1024, cache_blocks=16)
-    table = DocTable(sources, source_types, type_names, lengths, [int(m["kept_tokens"]) for m in meta["sources"]])
+    table = DocTable(sources, source_types, type_names, lengths, [int(m["kept_tokens"]) for m in meta["sources"]],
+                     min_length)
     if table.num_tokens == 0:
         raise DataError(no_documents_message(what, sources, min_length))
     logger.info("%s: index cache %s ready in %.2f s", what, scan, time.perf_counter() - t0)

@@ -125,6 +125,7 @@ class Packer:
                 if table.length(epoch.doc(jj)):
                     pad_type = table.type_of(epoch.doc(jj))
                     break
+        where = []
         while need > 0 and j < epoch.num_docs:
             g = epoch.doc(j)
             L = table.length(g)
@@ -135,10 +136,16 @@ class Packer:
             n = min(L, off + take + 1) - off  # one more token: the label of the fragment's last token
             buf = np.empty(n, dtype=np.int64)
             table.read_into(buf, g, off, off + n)
-            check_vocab(buf[:take], self.vocab_size, lambda g=g: table.location(g), off)
             frags.append(Fragment(buf[:take], table.type_of(g), buf[take] if n > take else IGNORE_INDEX))
+            where.append((g, off))
             need -= take
             off += take
             if off >= L:
                 j, off = j + 1, 0
+        if self.vocab_size is not None and frags:
+            V = self.vocab_size
+            ids = np.concatenate([f.tokens for f in frags])
+            if int(ids.max()) >= V or int(ids.min()) <= -V:  # one check per row; the culprit named when it fails
+                for f, (g, first) in zip(frags, where):
+                    check_vocab(f.tokens, V, lambda g=g: table.location(g), first)
         return self.shape.assemble(frags, pad_type)

@@ -9,8 +9,6 @@ serves repeated reads).
 from __future__ import annotations
 
 import os
-import threading
-from collections import OrderedDict
 from typing import Iterator, Optional
 
 import numpy as np
@@ -42,7 +40,7 @@ class FileArray:
     """A 1-D array of `dtype` stored at byte `offset` of `path`, read by `pread` through a small block cache.
 
     `block` entries are read at a time (sequential readers want large blocks, random readers small ones); the cache
-    holds at most `cache_blocks` blocks, so memory stays bounded whatever the array's length.
+    holds at most `cache_blocks` blocks (it is emptied when full), so memory stays bounded whatever the length.
     """
 
     def __init__(self, path: str, offset: int, dtype, length: int, block: int = 512, cache_blocks: int = 8):
@@ -50,8 +48,7 @@ class FileArray:
         self.block, self.cache_blocks = int(block), int(cache_blocks)
         self._fd: Optional[int] = None
         self._pid = -1
-        self._cache: "OrderedDict[int, np.ndarray]" = OrderedDict()
-        self._lock = threading.Lock()
+        self._cache: dict[int, np.ndarray] = {}
 
     def __len__(self) -> int:
         return self.length
@@ -74,16 +71,12 @@ class FileArray:
         return np.frombuffer(raw, dtype=self.dtype)
 
     def _block(self, b: int) -> np.ndarray:
-        with self._lock:
-            arr = self._cache.get(b)
-            if arr is not None:
-                self._cache.move_to_end(b)
-                return arr
-        arr = self.read(b * self.block, (b + 1) * self.block)
-        with self._lock:
+        arr = self._cache.get(b)
+        if arr is None:
+            arr = self.read(b * self.block, (b + 1) * self.block)
+            if len(self._cache) >= self.cache_blocks:
+                self._cache.clear()  # bounded; a plain dict needs no lock across the loader's threads
             self._cache[b] = arr
-            while len(self._cache) > self.cache_blocks:
-                self._cache.popitem(last=False)
         return arr
 
     def __getitem__(self, i):
@@ -106,6 +99,14 @@ class FileArray:
         b = i // self.block
         return self._block(b)[i - b * self.block]
 
+    def pair(self, i: int) -> tuple[int, int]:
+        """Entries i and i + 1 (an offset table's start and end of item i)."""
+        b = i // self.block
+        arr, k = self._block(b), i - b * self.block
+        if k + 1 < len(arr):
+            return int(arr[k]), int(arr[k + 1])
+        return int(arr[k]), int(self._block(b + 1)[0])
+
     def chunks(self, chunk: int = CHUNK) -> Iterator[tuple[int, np.ndarray]]:
         """(start, entries) of consecutive chunks, read without caching (for one pass over the whole array)."""
         for s in range(0, self.length, chunk):
@@ -118,12 +119,8 @@ class FileArray:
 
     def __getstate__(self):
         state = dict(self.__dict__)
-        state.update(_fd=None, _pid=-1, _cache=OrderedDict(), _lock=None)
+        state.update(_fd=None, _pid=-1, _cache={})
         return state
-
-    def __setstate__(self, state):
-        self.__dict__.update(state)
-        self._lock = threading.Lock()
 
 
 def npy_layout(path: str) -> tuple[np.dtype, tuple, bool, int]:
