@@ -17,7 +17,7 @@ training folder, or ``~/.cache/internlm_core/index/...`` when that folder is not
 
 Whoever needs a missing folder builds it under an exclusive `flock` on a lock file beside it (one rank builds,
 the others of its node, or of the job on a shared file system, wait and then read it); a folder is written under a
-temporary name and renamed when complete. Every rank then reads single entries with `pread` (tokenfile.FileArray):
+temporary name and renamed when complete. While epoch e trains, epoch e + 1 is built in a background thread. Every rank then reads single entries with `pread` (tokenfile.FileArray):
 its memory does not grow with the corpus, and start-up with a built cache reads a few headers.
 
 The order of an epoch: a uniform permutation of the stream's documents (seeded by (seed, epoch, stream)) when it
@@ -35,6 +35,7 @@ import json
 import os
 import shutil
 import socket
+import threading
 import time
 from dataclasses import dataclass
 from typing import Iterator, Optional, Sequence
@@ -102,8 +103,11 @@ def _build_once(final: str, build) -> None:
     with _locked(final + ".lock"):
         if os.path.isdir(final):
             return
+        base = os.path.basename(final) + ".tmp-"
+        for stale in os.listdir(parent):  # left by a builder that died: nobody else builds it while we hold the lock
+            if stale.startswith(base):
+                shutil.rmtree(os.path.join(parent, stale), ignore_errors=True)
         tmp = f"{final}.tmp-{socket.gethostname()}-{os.getpid()}"
-        shutil.rmtree(tmp, ignore_errors=True)
         os.makedirs(tmp)
         try:
             build(tmp)
@@ -360,9 +364,8 @@ class EpochSource:
         self.stream = stream
         self.folder = os.path.join(cache_folder, _key(stream.key())) if cache_folder else None
         self._open: dict[int, EpochIndex] = {}
-        import threading
-
         self._lock = threading.Lock()
+        self._ahead: Optional[threading.Thread] = None
 
     def epoch(self, e: int) -> EpochIndex:
         with self._lock:
@@ -374,9 +377,25 @@ class EpochSource:
                     final = os.path.join(self.folder, f"epoch-{e}")
                     _build_once(final, lambda tmp: build_epoch_files(self.stream, e, tmp))
                     ep = EpochIndex.open(final)
+                    self._prebuild(e + 1)
                 self._open = {k: v for k, v in self._open.items() if k >= e - 1}
                 self._open[e] = ep
             return ep
+
+    def _prebuild(self, e: int) -> None:
+        """Build epoch e in a background thread while epoch e - 1 trains (no pause at the epoch boundary)."""
+        final = os.path.join(self.folder, f"epoch-{e}")
+        if os.path.isdir(final) or (self._ahead is not None and self._ahead.is_alive()):
+            return
+
+        def run():
+            try:
+                _build_once(final, lambda tmp: build_epoch_files(self.stream, e, tmp))
+            except Exception as err:  # noqa: BLE001 - the training thread builds it again and raises
+                logger.warning("index cache: building epoch %d ahead failed (%s); it is built when reached", e, err)
+
+        self._ahead = threading.Thread(target=run, name="internlm_core-index", daemon=True)
+        self._ahead.start()
 
 
 def rows_of(stream: Stream, what: str) -> int:
