@@ -7,7 +7,7 @@ PyTorch path at a time (a monkeypatch in a fresh process), runs interleaved roun
 Variants (each removes one fast path from `all`):
   all          everything on (what train.py runs)
   -onednn      fp32 linears on torch's F.linear (MKL sgemm) instead of oneDNN's GEMM
-  -blocked     causal attention on SDPA's flash kernel instead of blocked matmul attention
+  -blocked     attention on SDPA (model.attn_backend=sdpa) instead of blocked matmul attention (cpu_blocked)
   -fused_ce    torch's cross entropy (fp32 log-softmax, separate argmax for the metric) instead of the fused one
   -malloc      glibc's default allocator behaviour (mmap + trim of large blocks) instead of keeping freed memory
   -all         all four removed
@@ -32,43 +32,31 @@ ROOT = Path(__file__).resolve().parents[1]
 VARIANTS = ("all", "-onednn", "-blocked", "-fused_ce", "-malloc", "-all")  # and "-compiled_ce"
 
 
-def patch(variant: str) -> None:
-    """Switch fast paths off in this process (before the trainer is built)."""
-    import torch
-
+def patch(variant: str) -> list[str]:
+    """Switch fast paths off in this process (before the trainer is built); returns config overrides."""
     off = {"-onednn", "-blocked", "-fused_ce", "-malloc"} if variant == "-all" else {variant}
     if "-onednn" in off:
         import internlm_core.model.layers as T
         T._ONEDNN_LINEAR = False
-    if "-blocked" in off:
-        import internlm_core.model.attention as A
-
-        def sdpa(q, k, v, block=None):
-            return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True,
-                                                                    enable_gqa=k.shape[1] != q.shape[1])
-        A.blocked_causal_attention = sdpa
+    sets = ["model.attn_backend=sdpa"] if "-blocked" in off else []
     if "-fused_ce" in off:
-        import internlm_core.loss as L
-        init = L.FlashGPTLMLoss.__init__
-
-        def plain_init(self, *a, **kw):
-            kw["use_flash"] = False
-            init(self, *a, **kw)
-        L.FlashGPTLMLoss.__init__ = plain_init
+        import internlm_core.numerics.kernels as K
+        K.select_cross_entropy = lambda *args, **kwargs: "torch"
     if "-blocked_doc" in off:
         import internlm_core.model.attention as A
-        A._layout_for_documents = lambda seg, device: (A._causal_document_mask(seg.to(device)), None)
+        A._layout_for_documents = lambda seg, backend, device: (A._causal_document_mask(seg.to(device)), None)
     if "-compiled_ce" in off:
         import internlm_core.loss as L
         L._compiled_chunk = lambda: None
     if "-malloc" in off:
         import internlm_core.trainer.trainer as TR
         TR.keep_freed_cpu_memory = lambda: False
+    return sets
 
 
 def child(variant: str, steps: int, sets: list[str]) -> None:
     sys.path.insert(0, str(ROOT))
-    patch(variant)
+    sets = sets + patch(variant)
     import logging
 
     from internlm_core.config import load_config

@@ -45,7 +45,7 @@ def build_state(hidden: int, layers: int, vocab: int):
                                                   f"model.vocab_size={vocab}", "model.num_attention_heads=10"])
     torch.manual_seed(0)
     model = build_model(cfg, "cpu")
-    opt = build_optimizer(model, cfg.adam, "cpu")
+    opt = build_optimizer(model, cfg.adam, "fused")
     for p in model.parameters():  # one optimizer step: Adam's moments exist, as in any real checkpoint
         p.grad = torch.randn_like(p) * 1e-3
     opt.step()

@@ -1,8 +1,11 @@
-"""FlashGPTLMLoss: next-token cross entropy over packed rows (labels already shifted, -100 ignored)."""
+"""FlashGPTLMLoss: next-token cross entropy over packed rows (labels already shifted, -100 ignored).
+
+The loss returns its side results (`LossSide`: per-token losses, argmax) with the loss instead of keeping them.
+"""
 
 from __future__ import annotations
 
-import importlib.util
+from dataclasses import dataclass
 from typing import Optional
 
 import torch
@@ -10,24 +13,24 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 
-from .utils.logging import get_logger
+KERNELS = ("flash", "fused_chunked", "fused_chunked_compiled", "torch", "vocab_parallel")
 
-logger = get_logger(__name__)
-
-
-def _flash_cross_entropy() -> Optional[type]:
-    if importlib.util.find_spec("flash_attn") is None:
-        return None
-    try:
-        from flash_attn.losses.cross_entropy import CrossEntropyLoss
-    except Exception:  # flash-attn built without its cross-entropy extension
-        return None
-    return CrossEntropyLoss
-
-
-# Rows of logits per chunk of the fused cross entropy: a chunk's fp32 temporaries (rows * V * 4 bytes) stay in
-# the CPU's caches instead of streaming [N, V] fp32 tensors through memory several times.
+# Bytes of fp32 temporaries per chunk of the fused cross entropy. CPU: a chunk (rows * V * 4 bytes) stays in
+# the caches instead of streaming [N, V] fp32 tensors through memory several times. CUDA: large enough that
+# a micro-batch takes a handful of chunks (a few kernel launches each), small enough to add little memory.
 _CHUNK_BYTES = 4 * 1024 * 1024
+_CUDA_CHUNK_BYTES = 256 * 1024 * 1024
+
+# fp16 logits: the stored gradient is (softmax - one_hot) * 2**15, not divided by the token count. Its entries
+# lie in [-2**15, 2**15] and keep full fp16 precision down to 2**-14 / 2**15 instead of vanishing once divided by
+# thousands of tokens before the loss scale reaches them; backward applies 2**-15 * (the incoming gradient: loss
+# scale / (micro-batches * count)) in fp32 before the one rounding. bf16 has fp32's exponent range and stores
+# (softmax - one_hot) / count like fp32.
+_FP16_SHIFT = 15
+
+
+def _chunk_rows(v: int, device: torch.device) -> int:
+    return max(1, (_CUDA_CHUNK_BYTES if device.type == "cuda" else _CHUNK_BYTES) // (4 * v))
 
 
 def _cross_entropy_chunk(x: torch.Tensor, label: torch.Tensor, valid: torch.Tensor, weight: torch.Tensor,
@@ -65,10 +68,14 @@ class _ChunkedCrossEntropy(torch.autograd.Function):
     """Per-token cross entropy (fp32, 0 where the label is -100) and the argmax of every row, in one pass.
 
     Chunk by chunk of rows, the forward computes the row max (and argmax), the log-sum-exp, the loss and,
-    when the logits need a gradient, already the gradient of the loss of each token, softmax - one_hot
-    (0 on ignored rows), in the logits' dtype; the backward only scales it by the incoming gradient
-    (one multiply instead of recomputing the softmax). No fp32 [N, V] tensor is ever materialized. Equal to
-    F.cross_entropy(logits.float(), reduction="none") up to rounding; the argmax feeds the accuracy metric.
+    when the logits need a gradient, already the gradient of each token's loss, stored in the logits' dtype
+    (0 on ignored rows); the backward only scales it by the incoming gradient. No fp32 [N, V] tensor is ever
+    materialized. Equal to F.cross_entropy(logits.float(), reduction="none") up to rounding; the argmax feeds
+    the accuracy metric.
+
+    fp32 and bf16 logits store (softmax - one_hot) / count, the gradient of the mean; fp16 logits store
+    (softmax - one_hot) * 2**15 (see _FP16_SHIFT): divided by the count before the loss scale reached it, fp16
+    would flush most entries to 0. The backward of 16-bit logits scales in fp32 without host synchronization.
     """
 
     @staticmethod
@@ -79,11 +86,15 @@ class _ChunkedCrossEntropy(torch.autograd.Function):
         argmax = torch.empty(n, dtype=torch.long, device=dev)
         valid = labels != -100
         safe = torch.where(valid, labels, 0)
-        count = max(1, int(valid.sum()))
-        weight = valid.float() / count  # the gradient of the mean over valid tokens, the usual loss
+        count = valid.sum().clamp(min=1)  # a tensor: no host synchronization on CUDA
+        # per row: the factor of (softmax - one_hot) that is stored, and its inverse (applied in backward)
+        if logits.dtype == torch.float16:
+            weight, ctx.inverse = valid.float() * 2.0**_FP16_SHIFT, 2.0**-_FP16_SHIFT
+        else:
+            weight, ctx.inverse = valid.float() / count, None  # None: the count, read in backward
         want_grad = ctx.needs_input_grad[0]
         grad = torch.empty_like(logits) if want_grad else None
-        step = max(1, _CHUNK_BYTES // (4 * v))
+        step = _chunk_rows(v, dev)
         rows = torch.arange(min(step, n), device=dev)
         chunk_fn = _compiled_chunk() if compiled else None
         for s in range(0, n, step):
@@ -103,71 +114,102 @@ class _ChunkedCrossEntropy(torch.autograd.Function):
                 p.mul_((weight[s:e] / total).unsqueeze(1))  # softmax, 0 on ignored rows
                 p[rows[: e - s], safe[s:e]] -= weight[s:e]
                 grad[s:e] = p
-        ctx.save_for_backward(grad, valid)
-        ctx.count = count
+        ctx.save_for_backward(grad, valid, count)
+        ctx.consumed = False
         ctx.mark_non_differentiable(argmax)
         return losses, argmax
 
     @staticmethod
     def backward(ctx, grad_losses: torch.Tensor, _grad_argmax: Optional[torch.Tensor]):  # noqa: D102
-        grad, valid = ctx.saved_tensors
+        grad, valid, count = ctx.saved_tensors
+        if grad.dtype in (torch.float16, torch.bfloat16):
+            inverse = ctx.inverse if ctx.inverse is not None else count.float()
+            return _scale_half_gradient(ctx, grad, grad_losses.float() * inverse), None, None
         g = grad_losses[valid]
         if g.numel() == 0:
             return torch.zeros_like(grad), None, None
+        count = int(count)
         if bool((g == g[0]).all()):  # a sum or mean of the losses: one factor relative to the mean's gradient
-            factor = g[0].item() * ctx.count
+            factor = g[0].item() * count
             if abs(factor - 1.0) < 1e-6:  # the mean itself: the gradient as computed, rounded once
                 return grad, None, None
             return grad * factor, None, None  # exact for powers of two (micro_num 2, 4, ..., loss scales)
-        return (grad.float() * (grad_losses.float() * ctx.count).unsqueeze(1)).to(grad.dtype), None, None
+        return (grad.float() * (grad_losses.float() * count).unsqueeze(1)).to(grad.dtype), None, None
+
+
+def _scale_half_gradient(ctx, grad: torch.Tensor, factor: torch.Tensor) -> torch.Tensor:
+    """The 16-bit logits' gradient: the stored rows times `factor` (fp32 [N]: each token's incoming gradient
+    over the stored weight), multiplied in fp32 chunk by chunk and rounded once, into the stored buffer (a
+    second backward through the same graph would find it overwritten, hence the check)."""
+    if ctx.consumed:
+        raise RuntimeError("the fused cross entropy's backward ran twice on one graph (retain_graph); "
+                           "use the 'torch' cross entropy kernel for that")
+    ctx.consumed = True
+    step = _chunk_rows(grad.shape[1], grad.device)
+    for s in range(0, grad.shape[0], step):
+        e = min(s + step, grad.shape[0])
+        grad[s:e] = grad[s:e].float().mul_(factor[s:e].unsqueeze(1))
+    return grad
+
+
+@dataclass
+class LossSide:
+    """What a loss call finds on the way, for the metrics (AccPerplex) so that they need not recompute it.
+
+    token_losses: the detached per-token cross entropy (fp32, 0 where the label is -100); None under label
+        smoothing, whose per-token loss is not the cross entropy perplexity is made of.
+    predictions: the argmax of every row when the kernel computed it (the fused kernels), else None.
+    """
+
+    token_losses: Optional[torch.Tensor] = None
+    predictions: Optional[torch.Tensor] = None
 
 
 class FlashGPTLMLoss(nn.Module):
-    """Mean cross entropy over tokens whose label is not -100.
+    """Mean cross entropy over tokens whose label is not -100: `loss, side = loss_fn(logits, labels)`.
 
-    Uses flash-attn's fused cross entropy on CUDA when installed, a chunked fused one on CPU (no label
-    smoothing; `use_flash=False` forces torch's everywhere), torch's otherwise. Under tensor
-    parallel with `parallel_output=True` the logits arrive vocab-sharded (a DTensor) and torch's
-    `loss_parallel` context computes the same value without gathering them (see parallel/).
-    `last_token_losses` keeps the detached per-token losses of the last call (0 where ignored) so
-    that metrics need not recompute the cross entropy; `last_predictions` the argmax of each row when the
-    fused CPU kernel computed it on the way (else None). `compiled=True` (model.compile) runs the CPU kernel's
-    chunks through torch.compile.
+    `kernel` is the decision of `numerics.select_kernels` (see numerics/kernels.py): "flash" (flash-attn's
+    Triton kernel, in-place backward), "fused_chunked" / "fused_chunked_compiled" (`_ChunkedCrossEntropy`, no
+    label smoothing), "torch" (F.cross_entropy on fp32 logits) or "vocab_parallel" (tensor parallel with
+    `parallel_output`: the logits arrive vocabulary-sharded as a DTensor and torch's `loss_parallel` context
+    computes the softmax without gathering them; sharded logits always take this path). Without `kernel`:
+    fused_chunked, or torch under label smoothing (`use_flash=False`, the older spelling, also means torch).
     """
 
-    def __init__(self, parallel_output: bool = True, label_smoothing: float = 0.0, use_flash: Optional[bool] = None,
-                 compiled: bool = False):
+    def __init__(self, kernel: Optional[str] = None, label_smoothing: float = 0.0, use_flash: Optional[bool] = None):
         super().__init__()
-        self.compiled = compiled
-        self.parallel_output = parallel_output
         self.label_smoothing = float(label_smoothing)
-        flash_cls = _flash_cross_entropy() if use_flash in (None, True) else None
-        self._flash = flash_cls(ignore_index=-100, reduction="none", label_smoothing=self.label_smoothing) \
-            if flash_cls is not None else None
-        self.use_flash = use_flash
-        self.last_token_losses: Optional[torch.Tensor] = None
-        self.last_predictions: Optional[torch.Tensor] = None
+        if kernel is None:
+            kernel = "torch" if (use_flash is False or self.label_smoothing) else "fused_chunked"
+        if kernel not in KERNELS:
+            raise ValueError(f"cross entropy kernel: expected one of {', '.join(KERNELS)}, got {kernel!r}")
+        if kernel.startswith("fused_chunked") and self.label_smoothing:
+            raise ValueError(f"cross entropy kernel {kernel!r} has no label smoothing; use 'torch' or 'flash'")
+        self.kernel = kernel
+        self._flash = None
+        if kernel == "flash":
+            from flash_attn.losses.cross_entropy import CrossEntropyLoss
+            # in-place backward: the logits' gradient overwrites the logits (no second [N, V] buffer), as InternLM
+            self._flash = CrossEntropyLoss(ignore_index=-100, reduction="none", label_smoothing=self.label_smoothing,
+                                           inplace_backward=True)
 
-    def forward(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    def forward(self, logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, LossSide]:
         logits = logits.reshape(-1, logits.shape[-1])
         labels = labels.reshape(-1)
-        self.last_predictions = None
-        if isinstance(logits, DTensor):  # vocabulary-parallel logits (tensor parallel, parallel_output)
+        predictions = None
+        if isinstance(logits, DTensor) or self.kernel == "vocab_parallel":
             token_losses = vocab_parallel_cross_entropy(logits, labels, self.label_smoothing)
-        elif self._flash is not None and logits.is_cuda:
+        elif self._flash is not None:
             token_losses = self._flash(logits, labels)
-        elif self.label_smoothing == 0 and self.use_flash is not False and logits.device.type == "cpu":
-            # fused on CPU: one pass over the logits for loss and argmax, no fp32 log-softmax kept
-            token_losses, argmax = _ChunkedCrossEntropy.apply(logits, labels, self.compiled)
-            self.last_predictions = argmax
-        else:
-            # fp32 softmax: bf16 log-softmax over a large vocabulary loses too much precision
+        elif self.kernel != "torch":  # one pass over the logits for loss, argmax and gradient
+            token_losses, predictions = _ChunkedCrossEntropy.apply(logits, labels, self.kernel != "fused_chunked")
+        else:  # fp32 softmax: a bf16 log-softmax over a large vocabulary loses too much precision
             token_losses = F.cross_entropy(logits.float(), labels, ignore_index=-100, reduction="none",
                                            label_smoothing=self.label_smoothing)
-        self.last_token_losses = token_losses.detach()
         # sum / count instead of reduction="mean": a row with no valid label gives 0, not nan
         count = (labels != -100).sum().clamp(min=1)
-        return token_losses.sum() / count
+        side = LossSide(token_losses.detach() if self.label_smoothing == 0 else None, predictions)
+        return token_losses.sum() / count, side
 
 
 def _plain(t: torch.Tensor) -> torch.Tensor:

@@ -319,6 +319,8 @@ def check_consistency(cfg: Config, world_size: int | None = None) -> None:
                 raise ConfigError(f"data.dataset_weights[{k!r}]: expected a weight > 0, got {v!r}")
     if cfg.adam.fused not in ("auto", "torch", "apex"):
         raise ConfigError(f"adam.fused: expected auto, torch or apex, got {cfg.adam.fused!r}")
+    if cfg.model.attn_backend not in ("auto", "flash", "sdpa", "cpu_blocked"):
+        raise ConfigError(f"model.attn_backend: expected auto, flash, sdpa or cpu_blocked, got {cfg.model.attn_backend!r}")
     if not 0.0 <= cfg.lr_scheduler.warmup_ratio <= 1.0:
         raise ConfigError(f"lr_scheduler.warmup_ratio: expected a fraction in [0, 1], got {cfg.lr_scheduler.warmup_ratio}")
     if not 0.0 <= cfg.loss.label_smoothing < 1.0:

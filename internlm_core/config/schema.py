@@ -66,7 +66,7 @@ class ModelConfig:
     dtype: str = f("torch.bfloat16", "Compute dtype: torch.float32, torch.tf32, torch.bfloat16, torch.float16 (or torch.half).")
     norm_type: str = f("rmsnorm", "Normalization: rmsnorm (the only one InternLM ships for these models).")
     layer_norm_epsilon: float = f(1e-5, "Epsilon of the norms.")
-    use_flash_attn: bool = f(True, "Use flash-attn's varlen kernel when it is installed and the device is CUDA; else SDPA.")
+    use_flash_attn: bool = f(True, "Use flash-attn's kernels when installed and working, on CUDA, with 16-bit compute (bf16/fp16); else SDPA (CPU: blocked matmul attention).")
     num_chunks: int = f(1, "Model chunks per pipeline stage (>1: interleaved 1F1B).")
     embed_split_hidden: bool = f(True, "InternLM's embedding split; kept for config compatibility (DTensor decides sharding).")
     embed_grad_scale: float = f(1.0, "Scale of the embedding's gradient (InternLM's embed_grad_scale).")
@@ -78,7 +78,7 @@ class ModelConfig:
     qkv_bias: Optional[bool] = f(None, "Bias on q/k/v/o projections; default: True for INTERNLM, False for INTERNLM2/LLAMA.")
     use_fp32_norm: bool = f(False, "Keep norm weights and computation in fp32 under low-precision dtypes.")
     compile: bool = f(False, "torch.compile each transformer block.")
-    attn_backend: str = f("auto", "Attention backend: auto (flash-attn if usable, else sdpa), flash, sdpa.")
+    attn_backend: str = f("auto", "Attention kernel: auto (flash-attn if usable and the compute is 16-bit, else sdpa on GPUs, cpu_blocked on CPU), flash (fp32 inputs cast to bf16), sdpa, cpu_blocked.")
 
 
 @dataclass
@@ -103,7 +103,7 @@ class AdamConfig:
     adam_beta2_c: float = f(0.0, "Beta2 schedule constant c (0: constant beta2).")
     adam_eps: float = f(1e-8, "Adam epsilon.")
     weight_decay: float = f(0.01, "Weight decay on matrices; norms, biases and 1-D parameters get none.")
-    fused: str = f("auto", "Optimizer kernel: auto (apex FusedAdam if installed on CUDA, else torch fused/foreach), torch, apex.")
+    fused: str = f("auto", "Optimizer kernel: auto (apex FusedAdam if it works on CUDA and the parameters are plain tensors: one process, no FSDP or tensor parallel; else torch fused), torch, apex.")
 
 
 @dataclass

@@ -1,12 +1,15 @@
-"""Attention over packed rows: flash-attn's varlen kernel or SDPA with a per-document causal mask.
+"""Attention over packed rows, by the kernel `numerics.select_kernels` chose (`ModelArgs.attn_backend`):
+
+    flash        flash-attn 2's varlen kernel takes `cu_seqlens` directly (16-bit q/k/v; others are cast to bf16)
+    sdpa         torch's scaled_dot_product_attention, with a dense [B, 1, T, T] document mask for packed rows
+    cpu_blocked  plain matmuls in blocks of query rows (`blocked_causal_attention`): scores above the diagonal
+                 blocks are never computed, packed documents add a precomputed per-block mask; 16-bit inputs run
+                 at the 16-bit matmul rate, which SDPA's CPU kernels do not reach (the CPU path)
 
 A packed micro-batch is `B` rows of `T` tokens whose documents are delimited by `cu_seqlens`
 (offsets into the flattened B*T tokens). Tokens attend only to earlier tokens of their own document.
-The data pipeline puts a boundary at every multiple of `seq_len`, so rows never share a document. On CPU,
-attention is plain matmuls in blocks of query rows (`blocked_causal_attention`): scores above the diagonal
-blocks are never computed, and packed documents only add a precomputed per-block mask; 16-bit inputs run
-at the 16-bit matmul rate, which SDPA's CPU kernels do not reach. Elsewhere SDPA takes a dense
-[B, 1, T, T] document mask (or flash-attn's varlen kernel takes `cu_seqlens` directly).
+The data pipeline puts a boundary at every multiple of `seq_len`, so rows never share a document.
+The layout is computed on the host from host tensors and copied to the device without waiting for it.
 
 The same layout can be given per token as `document_ids` [B, T] (equal ids = same document, compared
 within a row only). Unlike one `cu_seqlens` per micro-batch, document ids split along the batch dimension
@@ -15,43 +18,20 @@ with the other inputs, which is what pipeline-parallel micro-batching needs.
 
 from __future__ import annotations
 
-import importlib.util
 from dataclasses import dataclass
 from typing import Optional
 
 import torch
 import torch.nn.functional as F
 
-from ..utils.logging import get_logger
-
-logger = get_logger(__name__)
+from ..utils.transfer import to_device
 
 
-def flash_attn_available() -> bool:
-    """True when the flash-attn package can be imported (it only works on CUDA)."""
-    return importlib.util.find_spec("flash_attn") is not None
 
-
-def select_attention_backend(requested: str, use_flash_attn: bool, device_type: str,
-                             flash_installed: Optional[bool] = None, quiet: bool = False) -> str:
-    """Pick "flash" or "sdpa" and say why; `requested` is model.attn_backend (auto, flash, sdpa)."""
-    if flash_installed is None:
-        flash_installed = flash_attn_available()
-    usable = flash_installed and device_type == "cuda"
-    if requested == "sdpa":
-        return "sdpa"
-    if requested == "flash":
-        if not usable:
-            why = "flash-attn is not installed" if not flash_installed else f"device is {device_type}, not cuda"
-            from ..errors import ConfigError
-            raise ConfigError(f"model.attn_backend: 'flash' requested but {why}; use 'auto' or 'sdpa'")
-        return "flash"
-    if use_flash_attn and usable:
-        return "flash"
-    if use_flash_attn and not quiet:
-        why = "not installed" if not flash_installed else f"no CUDA (device {device_type})"
-        logger.info(f"flash-attn {why}: attention falls back to scaled_dot_product_attention with document masks")
-    return "sdpa"
+def default_attention_backend(device_type: str) -> str:
+    """The kernel of a model built outside a run, where nothing is probed: cpu_blocked on CPU, sdpa elsewhere.
+    A run passes the kernel `numerics.select_kernels` chose (flash-attn when installed, working and 16-bit)."""
+    return "cpu_blocked" if device_type == "cpu" else "sdpa"
 
 
 @dataclass
@@ -105,26 +85,30 @@ def block_document_masks(seg: torch.Tensor, block: Optional[int] = None) -> list
     return masks
 
 
-def _layout_for_documents(seg: torch.Tensor, device: torch.device) -> tuple[Optional[torch.Tensor], Optional[list]]:
-    """(dense SDPA mask, CPU block masks) for rows holding several documents; one of them is None."""
-    if device.type == "cpu":
-        return None, block_document_masks(seg.to(device))
-    return _causal_document_mask(seg.to(device)), None
+def _layout_for_documents(seg: torch.Tensor, backend: str, device: torch.device
+                          ) -> tuple[Optional[torch.Tensor], Optional[list]]:
+    """(dense SDPA mask, blocked attention's block masks) for rows holding several documents; one is None."""
+    if backend == "cpu_blocked":
+        return None, block_document_masks(to_device(seg, device))
+    return _causal_document_mask(to_device(seg, device)), None
 
 
 def build_packed_meta(cu_seqlens: Optional[torch.Tensor], batch: int, seqlen: int, backend: str,
                       device: torch.device, document_ids: Optional[torch.Tensor] = None) -> PackedMeta:
-    """Turn cu_seqlens (or per-token document_ids) into what the chosen backend needs (outside compiled regions)."""
+    """Turn cu_seqlens (or per-token document_ids) into what `backend` needs (outside compiled regions).
+
+    The layout is read on the host: give host tensors (the trainer does) and the device never waits for the
+    host; document ids on the device are copied to the host once (a synchronization)."""
     if document_ids is not None:
         if tuple(document_ids.shape) != (batch, seqlen):
             raise ValueError(f"document_ids must have shape [{batch}, {seqlen}] (B, T), got {list(document_ids.shape)}")
+        ids = document_ids.cpu()
+        cu = cu_seqlens_from_document_ids(ids)
         if backend == "flash":
-            cu = cu_seqlens_from_document_ids(document_ids)
-            return PackedMeta(cu.to(device), int((cu[1:] - cu[:-1]).max().item()), None)
-        cu = cu_seqlens_from_document_ids(document_ids.cpu())
+            return PackedMeta(to_device(cu, device), int((cu[1:] - cu[:-1]).max()), None)
         if len(cu) - 1 == batch:  # one document per row: the fused causal kernel, no mask
             return PackedMeta(None, seqlen, None)
-        mask, blocks = _layout_for_documents(document_ids, device)
+        mask, blocks = _layout_for_documents(ids, backend, device)
         return PackedMeta(None, seqlen, mask, blocks)
     if cu_seqlens is None:
         return PackedMeta(None, seqlen, None)
@@ -138,10 +122,10 @@ def build_packed_meta(cu_seqlens: Optional[torch.Tensor], batch: int, seqlen: in
     lengths = cu[1:] - cu[:-1]
     max_seqlen = int(lengths.max().item())
     if backend == "flash":
-        return PackedMeta(cu_seqlens.to(device=device, dtype=torch.int32), max_seqlen, None)
+        return PackedMeta(to_device(cu.to(torch.int32), device), max_seqlen, None)
     if len(cu) - 1 == batch:  # one document per row: the fused causal kernel, no mask
         return PackedMeta(None, max_seqlen, None)
-    mask, blocks = _layout_for_documents(document_ids_from_cu_seqlens(cu, batch, seqlen), device)
+    mask, blocks = _layout_for_documents(document_ids_from_cu_seqlens(cu, batch, seqlen), backend, device)
     return PackedMeta(None, max_seqlen, mask, blocks)
 
 
@@ -194,26 +178,51 @@ def blocked_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
     return out.reshape(N, H, T, D)
 
 
-def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: PackedMeta, backend: str) -> torch.Tensor:
-    """q [B, T, H, D], k/v [B, T, Hkv, D] → [B, T, H, D]; causal within each document."""
+def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: PackedMeta) -> torch.Tensor:
+    """flash-attn 2 on [B, T, H, D] inputs (varlen over `meta.cu_seqlens` for packed rows). The kernels take
+    16-bit inputs only: fp32 q/k/v (model.dtype torch.float32 / tf32 with attn_backend="flash") are cast to
+    bf16 for the kernel and the output back, as InternLM does."""
+    from flash_attn import flash_attn_func, flash_attn_varlen_func
     B, T, H, D = q.shape
-    if backend == "flash" and meta.cu_seqlens is not None:
-        from flash_attn import flash_attn_varlen_func
-        out = flash_attn_varlen_func(q.reshape(B * T, H, D), k.reshape(B * T, -1, D), v.reshape(B * T, -1, D),
-                                     meta.cu_seqlens, meta.cu_seqlens, meta.max_seqlen, meta.max_seqlen,
-                                     causal=True)
-        return out.view(B, T, H, D)
+    dtype = q.dtype
+    if dtype not in (torch.float16, torch.bfloat16):
+        q, k, v = q.to(torch.bfloat16), k.to(torch.bfloat16), v.to(torch.bfloat16)
+    if meta.cu_seqlens is None:
+        return flash_attn_func(q, k, v, causal=True).to(dtype)
+    out = flash_attn_varlen_func(q.reshape(B * T, H, D), k.reshape(B * T, -1, D), v.reshape(B * T, -1, D),
+                                 meta.cu_seqlens, meta.cu_seqlens, meta.max_seqlen, meta.max_seqlen, causal=True)
+    return out.view(B, T, H, D).to(dtype)
+
+
+def sdpa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Optional[torch.Tensor]) -> torch.Tensor:
+    """torch's SDPA on [N, H, T, D] / [N, Hkv, T, D], causal or under a document mask.
+
+    Grouped-query attention with a mask: CUDA's memory-efficient kernel takes a mask but not fewer k/v heads,
+    and flash takes no mask, so `enable_gqa` would fall to the math kernel (which keeps the fp32 probabilities,
+    [N, H, T, T], for backward); k/v are repeated to the query heads there instead. CPU's flash kernel takes
+    both, and repeating would only keep larger k/v."""
+    gqa = k.shape[1] != q.shape[1]
+    if mask is None:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
+    if gqa and q.is_cuda:
+        rep = q.shape[1] // k.shape[1]
+        k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+        gqa = False
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
+
+
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: PackedMeta, backend: str) -> torch.Tensor:
+    """q [B, T, H, D], k/v [B, T, Hkv, D] -> [B, T, H, D]; causal within each document; `backend` as chosen by
+    numerics.select_kernels ("flash", "sdpa", "cpu_blocked")."""
     if backend == "flash":
-        from flash_attn import flash_attn_func
-        return flash_attn_func(q, k, v, causal=True)
+        return flash_attention(q, k, v, meta)
     q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
-    gqa = k.shape[1] != H
-    if meta.block_masks is not None:
+    if backend == "cpu_blocked" and meta.mask is None:
         out = blocked_causal_attention(q, k, v, masks=meta.block_masks)
-    elif meta.mask is None and q.device.type == "cpu":
-        out = blocked_causal_attention(q, k, v)
-    elif meta.mask is None:
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
+    elif backend == "cpu_blocked":  # a layout built with a dense document mask (bench/ablation.py -blocked_doc)
+        out = sdpa_attention(q, k, v, meta.mask)
+    elif backend == "sdpa":
+        out = sdpa_attention(q, k, v, meta.mask)
     else:
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=meta.mask, enable_gqa=gqa)
+        raise ValueError(f"attention backend: expected flash, sdpa or cpu_blocked, got {backend!r}")
     return out.transpose(1, 2)

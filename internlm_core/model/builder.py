@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Optional
 
 import torch
 
-from .attention import select_attention_backend
+from .attention import default_attention_backend
 from .spec import ModelSpec, get_model_spec
 
 
@@ -15,17 +15,18 @@ def model_spec(cfg: Any) -> ModelSpec:
     return get_model_spec(cfg.model_type)
 
 
-def model_args_from_config(cfg: Any, device_type: str = "cpu", quiet: bool = False) -> Any:
-    """The family's module args from the config (and the attention backend for this device)."""
-    m = cfg.model
-    backend = select_attention_backend(m.attn_backend, m.use_flash_attn, device_type, quiet=quiet)
-    return model_spec(cfg).build_args(cfg, backend)
+def model_args_from_config(cfg: Any, device_type: str = "cpu", quiet: bool = False,
+                           attn_backend: Optional[str] = None) -> Any:
+    """The family's module args from the config. `attn_backend`: the attention kernel a run chose
+    (numerics.select_kernels); without it the plain one of `device_type` (see default_attention_backend)."""
+    return model_spec(cfg).build_args(cfg, attn_backend or default_attention_backend(device_type))
 
 
-def build_model(cfg: Any, device: torch.device | str = "cpu") -> torch.nn.Module:
-    """The model of `cfg.model_type`, initialized on `device` ("meta" builds without allocating)."""
+def build_model(cfg: Any, device: torch.device | str = "cpu", attn_backend: Optional[str] = None) -> torch.nn.Module:
+    """The model of `cfg.model_type`, initialized on `device` ("meta" builds without allocating); `attn_backend`:
+    the run's attention kernel (see model_args_from_config)."""
     device = torch.device(device)
-    args = model_args_from_config(cfg, "cuda" if device.type == "cuda" else device.type)
+    args = model_args_from_config(cfg, "cuda" if device.type == "cuda" else device.type, attn_backend=attn_backend)
     with torch.device(device):
         return model_spec(cfg).module(args)
 

@@ -1,16 +1,20 @@
-"""AdamW with decay / no-decay groups: torch's fused kernel where supported, apex FusedAdam on request."""
+"""AdamW with decay / no-decay groups, in the implementation `numerics.select_kernels` chose: torch's fused kernel,
+torch's foreach one, or NVIDIA apex's FusedAdam (plain tensors on CUDA only)."""
 
 from __future__ import annotations
 
-import importlib.util
+from typing import Optional
 
 import torch
+from torch.distributed.tensor import DTensor
 
 from ..config.schema import AdamConfig
 from ..errors import ConfigError
 from ..utils.logging import get_logger
 
 logger = get_logger(__name__)
+
+IMPLEMENTATIONS = ("apex", "fused", "foreach")
 
 
 def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
@@ -25,34 +29,43 @@ def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
     return [g for g in groups if g["params"]]
 
 
-def select_adam_impl(requested: str, device_type: str, apex_installed: bool | None = None) -> str:
-    """"apex" (NVIDIA FusedAdam), "fused" (torch fused) or "foreach"; `requested` is adam.fused."""
-    if apex_installed is None:
-        apex_installed = importlib.util.find_spec("apex") is not None and _is_nvidia_apex()
-    if requested == "apex":
-        if not apex_installed or device_type != "cuda":
-            why = "NVIDIA apex is not installed" if not apex_installed else f"device is {device_type}, not cuda"
-            raise ConfigError(f"adam.fused: 'apex' requested but {why}; use 'auto' or 'torch'")
-        return "apex"
-    if requested == "auto" and apex_installed and device_type == "cuda":
-        return "apex"
-    # torch's fused AdamW runs on CUDA and (since 2.4) CPU; foreach is the portable fallback
-    return "fused" if device_type in ("cuda", "cpu") else "foreach"
+_APEX_CLASS: Optional[type] = None
 
 
-def _is_nvidia_apex() -> bool:
-    """The PyPI package named apex is an unrelated web toolkit: check for NVIDIA's optimizers."""
-    return importlib.util.find_spec("apex.optimizers") is not None
+def apex_fused_adamw_class() -> type:
+    """apex's FusedAdam with torch's `zero_grad(set_to_none=...)` signature.
+
+    apex defines `zero_grad(self)` without arguments, so the trainer's `zero_grad(set_to_none=True)` and the one
+    in torch.distributed.checkpoint's optimizer-state initialization (on resume) would raise TypeError. Here
+    set_to_none=True calls apex's own zero_grad in the form it accepts (no arguments; apex then sets the
+    gradients to None, its set_grad_none default), set_to_none=False zeroes them through torch's Optimizer."""
+    global _APEX_CLASS
+    if _APEX_CLASS is None:
+        from apex.optimizers import FusedAdam
+
+        class ApexFusedAdamW(FusedAdam):
+            def zero_grad(self, set_to_none: bool = True) -> None:
+                if set_to_none:
+                    super().zero_grad()
+                else:
+                    torch.optim.Optimizer.zero_grad(self, set_to_none=False)
+
+        _APEX_CLASS = ApexFusedAdamW
+    return _APEX_CLASS
 
 
-def build_optimizer(model: torch.nn.Module, cfg: AdamConfig, device_type: str) -> torch.optim.Optimizer:
-    """AdamW over the model's parameter groups."""
+def build_optimizer(model: torch.nn.Module, cfg: AdamConfig, impl: str) -> torch.optim.Optimizer:
+    """AdamW over the model's parameter groups; `impl` is `Kernels.optimizer` ("apex", "fused", "foreach")."""
+    if impl not in IMPLEMENTATIONS:
+        raise ValueError(f"optimizer implementation: expected one of {', '.join(IMPLEMENTATIONS)}, got {impl!r}")
     groups = param_groups(model, cfg.weight_decay)
-    impl = select_adam_impl(cfg.fused, device_type)
     kwargs = dict(lr=cfg.lr, betas=(cfg.adam_beta1, cfg.adam_beta2), eps=cfg.adam_eps)
     if impl == "apex":
-        from apex.optimizers import FusedAdam
-        opt = FusedAdam(groups, adam_w_mode=True, **kwargs)
+        if any(isinstance(p, DTensor) for g in groups for p in g["params"]):
+            # select_kernels never chooses apex here; this guards a hand-built optimizer
+            raise ConfigError("adam.fused: apex's FusedAdam cannot update DTensor parameters (FSDP2 / tensor "
+                              "parallel): multi_tensor_adam reads raw storage; use 'auto' or 'torch'")
+        opt = apex_fused_adamw_class()(groups, adam_w_mode=True, set_grad_none=True, **kwargs)
     else:
         opt = torch.optim.AdamW(groups, fused=impl == "fused", foreach=None if impl == "fused" else True, **kwargs)
     logger.info(f"optimizer: AdamW ({impl}), {sum(len(g['params']) for g in groups)} tensors in {len(groups)} groups")

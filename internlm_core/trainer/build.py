@@ -21,6 +21,7 @@ from ..metrics import AccPerplex, Throughput
 from ..monitor import (AlertManager, MemoryProfiler, build_loss_health, build_profiler, build_stop_controller,
                        build_straggler_monitor, build_watchdog)
 from ..model import build_model, count_parameters, model_args_from_config, model_flops_per_token, model_spec
+from ..numerics import Kernels, Precision, resolve_precision, select_kernels
 from ..optim import Beta2Scheduler, DynamicGradScaler, WarmupCosineLR, build_optimizer
 from ..parallel import parallelize_model
 from ..utils.logging import get_logger
@@ -31,7 +32,7 @@ from ..callbacks import CallbackList, TrainerCallback
 from ..checkpoint import CheckpointCallback, CheckpointManager, RNGState
 from .hooks import SchedulerMetricHook
 from .state import BatchSkipper, TrainState
-from .trainer import COMPUTE_DTYPES, LoopConfig, Trainer
+from .trainer import LoopConfig, Trainer
 
 logger = get_logger(__name__)
 
@@ -68,17 +69,20 @@ def write_run_files(cfg: Config, run_dir: Path, launch: LaunchInfo) -> None:
     (run_dir / "launch.json").write_text(json.dumps(record, indent=1))
 
 
-def setup_numerics(cfg: Config, seed: int) -> None:
+def setup_numerics(cfg: Config, seed: int, precision: Precision) -> None:
     set_seed(seed)
     set_deterministic(cfg.cudnn_deterministic, cfg.cudnn_benchmark)
-    if cfg.model.dtype == "torch.tf32":
-        torch.backends.cuda.matmul.allow_tf32 = True
-        torch.backends.cudnn.allow_tf32 = True
+    precision.apply_backend_settings()  # TF32 matmuls for torch.tf32 on CUDA
 
 
-def build_loss(cfg: Config) -> FlashGPTLMLoss:
-    return FlashGPTLMLoss(parallel_output=cfg.model.parallel_output, label_smoothing=cfg.loss.label_smoothing,
-                          compiled=cfg.model.compile)
+def build_kernels(cfg: Config, precision: Precision, device: torch.device, dims: ParallelDims) -> Kernels:
+    """Every kernel choice of the run (attention, cross entropy, linear, optimizer, gradient reduction), logged."""
+    return select_kernels(cfg.model, cfg.adam, precision, device, tp=dims.tp, dp=dims.dp, dp_shard=dims.dp_shard,
+                          pp=dims.pp, micro_num=cfg.data.micro_num, label_smoothing=cfg.loss.label_smoothing)
+
+
+def build_loss(cfg: Config, kernels: Kernels) -> FlashGPTLMLoss:
+    return FlashGPTLMLoss(kernels.cross_entropy, label_smoothing=cfg.loss.label_smoothing)
 
 
 def build_schedulers(cfg: Config, optimizer: torch.optim.Optimizer) -> tuple[WarmupCosineLR, Beta2Scheduler]:
@@ -88,9 +92,9 @@ def build_schedulers(cfg: Config, optimizer: torch.optim.Optimizer) -> tuple[War
     return lr, beta2
 
 
-def build_grad_scaler(cfg: Config) -> Optional[DynamicGradScaler]:
+def build_grad_scaler(cfg: Config, precision: Precision) -> Optional[DynamicGradScaler]:
     """Loss scaling only for fp16 (bf16 and fp32 have the exponent range to do without)."""
-    return DynamicGradScaler(cfg.grad_scaler) if cfg.model.dtype == "torch.float16" else None
+    return DynamicGradScaler(cfg.grad_scaler) if precision.loss_scaling else None
 
 
 def build_data(cfg: Config, dims: ParallelDims):
@@ -139,40 +143,42 @@ def build_trainer(cfg: Config, launch: LaunchInfo, run_dir: Path, seed: Optional
                   profiling: bool = False) -> Trainer:
     """Build every component of a run; loading a checkpoint (if any) is left to `CheckpointManager`."""
     seed = cfg.seed if seed is None else seed
-    setup_numerics(cfg, seed)
+    precision = resolve_precision(cfg.model.dtype, launch.device)
+    setup_numerics(cfg, seed, precision)
     dims = ParallelDims.from_config(cfg.parallel, launch.world_size)
     dims.build_mesh(launch.device.type)
+    kernels = build_kernels(cfg, precision, launch.device, dims)
     write_run_files(cfg, run_dir, launch)
 
-    model = build_model(cfg, launch.device)
+    model = build_model(cfg, launch.device, attn_backend=kernels.attention)
     n_params = count_parameters(model)
     model, pipeline = parallelize_model(model, model_spec(cfg), cfg, dims, launch.device)
-    args = model_args_from_config(cfg, launch.device.type, quiet=True)
+    args = model_args_from_config(cfg, launch.device.type, attn_backend=kernels.attention)
     logger.info(f"model {cfg.model_type}: {n_params:,} parameters, {cfg.model.num_layers} layers, "
                 f"hidden {cfg.model.hidden_size}, attention {getattr(args, 'attn_backend', '-')}, dtype {cfg.model.dtype}; "
                 f"layout dp={dims.dp} (shard {dims.dp_shard} x replicate {dims.dp_replicate}) "
                 f"tp={dims.tp} pp={dims.pp} on {launch.world_size} process(es), {launch.device}")
 
-    optimizer = build_optimizer(model, cfg.adam, launch.device.type)
+    optimizer = build_optimizer(model, cfg.adam, kernels.optimizer)
     lr_scheduler, beta2_scheduler = build_schedulers(cfg, optimizer)
     train_loader, valid_loaders = build_data(cfg, dims)
 
     state = TrainState(tensorboard_folder=str(run_dir / "tensorboard"))
-    peak = device_peak_flops(launch.device, COMPUTE_DTYPES[cfg.model.dtype])
+    peak = device_peak_flops(launch.device, precision.compute_dtype, tf32=precision.tf32)
     throughput = Throughput(model_flops_per_token(cfg, args), launch.world_size, peak)
-    timers = Timers(cuda_sync=False)
+    timers = Timers(device=launch.device)  # CUDA: device time between events, not host enqueue time
     type_names = getattr(train_loader, "type_names", None) or {}
     # summed over data parallel x pipeline: each micro-batch counted once (only the last stage has outputs)
     metric = AccPerplex(type_names, dims.group("pp_dp") if dims.dp * dims.pp > 1 else None)
     monitors = build_monitors(cfg, launch, dims, run_dir, alerts, profiling)
     callbacks = [SchedulerMetricHook(timers, metric), *monitors.values(), *(extra_callbacks or [])]
     trainer = Trainer(
-        loop=LoopConfig.from_config(cfg, dims.tp), model=model, loss_fn=build_loss(cfg), optimizer=optimizer, lr_scheduler=lr_scheduler,
-        beta2_scheduler=beta2_scheduler, grad_scaler=build_grad_scaler(cfg), train_loader=train_loader,
+        loop=LoopConfig.from_config(cfg, dims.tp), model=model, loss_fn=build_loss(cfg, kernels), optimizer=optimizer, lr_scheduler=lr_scheduler,
+        beta2_scheduler=beta2_scheduler, grad_scaler=build_grad_scaler(cfg, precision), train_loader=train_loader,
         valid_loaders=valid_loaders, state=state, dims=dims, device=launch.device, run_dir=run_dir,
         rank=launch.rank, world_size=launch.world_size, throughput=throughput, timers=timers,
         train_metric=metric, callbacks=CallbackList(callbacks),
-        batch_skipper=BatchSkipper(cfg.data.skip_batches), pipeline=pipeline)
+        batch_skipper=BatchSkipper(cfg.data.skip_batches), pipeline=pipeline, precision=precision, kernels=kernels)
     trainer.checkpoint_manager = build_checkpoint_manager(cfg, trainer, launch, monitors, alerts)
     trainer.callbacks.add(CheckpointCallback(trainer.checkpoint_manager))  # after the stop controller
     trainer.checkpoint_manager.resume()  # auto_resume / load_ckpt_info

@@ -17,19 +17,17 @@ from ..errors import DataError
 from ..loss import FlashGPTLMLoss
 from ..metrics import AccPerplex, Throughput
 from ..model import document_ids_from_cu_seqlens
+from ..numerics import Kernels, Precision, resolve_precision
 from ..optim import Beta2Scheduler, DynamicGradScaler, WarmupCosineLR, clip_and_check
 from ..utils.logging import get_logger
 from ..utils.memory import keep_freed_cpu_memory
 from ..utils.timer import Timers
+from ..utils.transfer import to_device
 from ..utils.writer import MetricsWriter
 from ..callbacks import CallbackList
 from .state import BatchSkipper, TrainState
 
 logger = get_logger(__name__)
-
-COMPUTE_DTYPES = {"torch.float32": torch.float32, "torch.tf32": torch.float32,
-                  "torch.bfloat16": torch.bfloat16, "torch.float16": torch.float16}
-
 
 @dataclass
 class StopRequest:
@@ -92,17 +90,20 @@ class Trainer:
     writer: Optional[MetricsWriter] = None  # opened by build_trainer after any resume
     checkpoint_manager: Any = None
     pipeline: Any = None  # parallel.PipelineParallel when parallel.pipeline > 1: runs this rank's stages
+    precision: Optional[Precision] = None  # autocast; default resolve_precision(loop.dtype, device)
+    kernels: Optional[Kernels] = None      # numerics.select_kernels: when FSDP reduces gradients (grad_reduce)
     stop_request: StopRequest = field(default_factory=StopRequest)
     last_metrics: dict = field(default_factory=dict)
     _step_end: float = 0.0  # perf_counter at the end of the last step: the start of the next step's time
 
     # ---- pieces of one step -------------------------------------------------------------------
 
+    def __post_init__(self) -> None:
+        if self.precision is None:
+            self.precision = resolve_precision(self.loop.dtype, self.device)
+
     def autocast(self) -> contextlib.AbstractContextManager:
-        dtype = COMPUTE_DTYPES[self.loop.dtype]
-        if dtype == torch.float32:
-            return contextlib.nullcontext()
-        return torch.autocast(self.device.type, dtype=dtype)
+        return self.precision.autocast()
 
     def loss_context(self) -> contextlib.AbstractContextManager:
         """Vocabulary-parallel logits (tensor parallel, parallel_output): the loss and its backward run
@@ -118,10 +119,10 @@ class Trainer:
             ids = batch["input_ids"][i]
             rows = ids.numel() // seq_len
             yield {
-                "input_ids": ids.view(rows, seq_len).to(self.device, non_blocking=True),
-                "labels": batch["labels"][i].view(rows, seq_len).to(self.device, non_blocking=True),
-                "position_ids": batch["position_ids"][i].view(rows, seq_len).to(self.device, non_blocking=True),
-                "type_ids": batch["type_ids"][i].view(rows, seq_len).to(self.device, non_blocking=True),
+                "input_ids": to_device(ids.view(rows, seq_len), self.device),
+                "labels": to_device(batch["labels"][i].view(rows, seq_len), self.device),
+                "position_ids": to_device(batch["position_ids"][i].view(rows, seq_len), self.device),
+                "type_ids": to_device(batch["type_ids"][i].view(rows, seq_len), self.device),
                 "cu_seqlens": batch["cu_seqlens"][i],
             }
 
@@ -149,17 +150,16 @@ class Trainer:
         for i, mb in enumerate(self._micro_batches(batch, n)):
             last = i == n - 1
             if not forward_only and hasattr(self.model, "set_requires_gradient_sync"):
-                self.model.set_requires_gradient_sync(last)  # FSDP: reduce gradients once per step
+                self._gradient_sync(last)
             with self.autocast():
                 self.callbacks.fire("on_before_forward", self)
                 logits = self.model(mb["input_ids"], mb["position_ids"], mb["cu_seqlens"])
                 self.callbacks.fire("on_after_forward", self)
                 self.callbacks.fire("on_before_criterion", self)
-                loss = self.loss_fn(logits, mb["labels"])
+                loss, side = self.loss_fn(logits, mb["labels"])
                 self.callbacks.fire("on_after_criterion", self)
             self.callbacks.fire("on_micro_batch_end", self, logits.detach(), mb["labels"], mb["type_ids"],
-                                self.loss_fn.last_token_losses if self.loop.label_smoothing == 0 else None,
-                                self.loss_fn.last_predictions)
+                                side.token_losses, side.predictions)
             total += loss.detach()
             if not forward_only:
                 self.callbacks.fire("on_before_backward", self)
@@ -167,13 +167,22 @@ class Trainer:
                 self.callbacks.fire("on_after_backward", self)
         return total / n
 
+    def _gradient_sync(self, last: bool) -> None:
+        """FSDP, by Kernels.grad_reduce: sharded data parallel reduce-scatters every micro-batch (and HSDP
+        all-reduces across replicas at the last only); otherwise gradients are reduced at the last micro-batch."""
+        every = self.kernels is not None and self.kernels.grad_reduce == "micro_batch"
+        self.model.set_requires_gradient_sync(last or every)
+        if every and hasattr(self.model, "set_requires_all_reduce"):
+            self.model.set_requires_all_reduce(last)
+
     def _pipeline_inputs(self, batch: dict, n: int) -> dict:
         """The micro-batches concatenated along rows (the schedule splits them again), with per-token
         document ids instead of one cu_seqlens per micro-batch."""
         mbs = list(self._micro_batches(batch, n))
         out = {k: torch.cat([mb[k] for mb in mbs]) for k in ("input_ids", "labels", "position_ids", "type_ids")}
+        # kept on the host, where the model reads the attention layout without waiting for the device
         out["document_ids"] = torch.cat([document_ids_from_cu_seqlens(mb["cu_seqlens"], *mb["input_ids"].shape)
-                                         for mb in mbs]).to(self.device)
+                                         for mb in mbs])
         return out
 
     def _pipeline_forward_backward(self, batch: dict, n: int, scale: float) -> torch.Tensor:
@@ -184,12 +193,11 @@ class Trainer:
         def criterion(logits: torch.Tensor, labels: torch.Tensor, type_ids: torch.Tensor, record: bool) -> torch.Tensor:
             if record:
                 self.callbacks.fire("on_before_criterion", self)
-            loss = self.loss_fn(logits, labels)
+            loss, side = self.loss_fn(logits, labels)
             if record:
                 self.callbacks.fire("on_after_criterion", self)
                 self.callbacks.fire("on_micro_batch_end", self, logits.detach(), labels, type_ids,
-                                    self.loss_fn.last_token_losses if self.loop.label_smoothing == 0 else None,
-                                    self.loss_fn.last_predictions)
+                                    side.token_losses, side.predictions)
                 losses.append(loss.detach())
             return loss * scale
 
@@ -319,7 +327,7 @@ class Trainer:
             return
         mbs = list(self._micro_batches(batch, n))
         for mb in mbs:
-            mb["document_ids"] = document_ids_from_cu_seqlens(mb["cu_seqlens"], *mb["input_ids"].shape).to(self.device)
+            mb["document_ids"] = document_ids_from_cu_seqlens(mb["cu_seqlens"], *mb["input_ids"].shape)  # host
         yield from self.pipeline.forward_only(mbs)
 
     @torch.no_grad()
@@ -336,9 +344,9 @@ class Trainer:
             for batch in loader:
                 with self.autocast(), self.loss_context():
                     for logits, mb in self._eval_outputs(batch):
-                        losses.append(self.loss_fn(logits, mb["labels"]).detach())
-                        metric.update(logits, mb["labels"], mb["type_ids"], self.loss_fn.last_token_losses
-                                      if self.loop.label_smoothing == 0 else None, self.loss_fn.last_predictions)
+                        loss, side = self.loss_fn(logits, mb["labels"])
+                        losses.append(loss.detach())
+                        metric.update(logits, mb["labels"], mb["type_ids"], side.token_losses, side.predictions)
             m = metric.get_metric()
             if not m.get("tokens"):
                 continue

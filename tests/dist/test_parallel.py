@@ -119,10 +119,10 @@ def _vocab_parallel_checks(trainer) -> dict:
         local = logits.to_local().detach().requires_grad_(True)
         sharded = DTensor.from_local(local, logits.device_mesh, logits.placements, run_check=False)
         with loss_parallel():
-            a = loss_fn(sharded, labels)
+            a, _ = loss_fn(sharded, labels)
             a.backward()
         ref_logits = full.detach().requires_grad_(True)
-        b = loss_fn(ref_logits, labels)
+        b, _ = loss_fn(ref_logits, labels)
         b.backward()
         width = local.shape[-1]
         r = logits.device_mesh.get_local_rank()

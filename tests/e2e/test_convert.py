@@ -54,7 +54,7 @@ if pipeline is None:  # (a pipeline stage has no whole forward: its export below
         logits = model(ids)
         if hasattr(logits, "full_tensor"):  # vocab-parallel logits under tensor parallel
             logits = logits.full_tensor()
-        loss = FlashGPTLMLoss(use_flash=False)(logits[:, :-1], ids[:, 1:]).item()
+        loss = FlashGPTLMLoss(use_flash=False)(logits[:, :-1], ids[:, 1:])[0].item()
 mgr = CheckpointManager(cfg.ckpt, rank=launch.rank, world_size=launch.world_size, local_rank=launch.local_rank,
                         dims=dims, config_text=dump_yaml(cfg))
 mgr.register_model(model)

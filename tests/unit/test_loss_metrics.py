@@ -16,7 +16,7 @@ def test_loss_equals_reference_cross_entropy(smoothing):
     logits = torch.randn(2, 7, 11, generator=g)
     labels = torch.randint(0, 11, (2, 7), generator=g)
     labels[0, 3] = labels[1, 6] = -100
-    ours = FlashGPTLMLoss(label_smoothing=smoothing)(logits, labels)
+    ours, _ = FlashGPTLMLoss(label_smoothing=smoothing)(logits, labels)
     ref = F.cross_entropy(logits.view(-1, 11), labels.view(-1), ignore_index=-100, label_smoothing=smoothing)
     assert torch.allclose(ours, ref, atol=1e-6)
     # hand check of the unsmoothed value for one token
@@ -29,7 +29,7 @@ def test_loss_equals_reference_cross_entropy(smoothing):
 
 def test_loss_with_no_valid_label_is_zero_not_nan():
     logits = torch.randn(4, 5, requires_grad=True)
-    loss = FlashGPTLMLoss()(logits, torch.full((4,), -100))
+    loss, _ = FlashGPTLMLoss()(logits, torch.full((4,), -100))
     assert loss.item() == 0.0
     loss.backward()
     assert torch.all(logits.grad == 0)
@@ -59,11 +59,10 @@ def test_accperplex_hand_computed_with_types():
 def test_accperplex_reuses_given_token_losses_and_accumulates():
     logits = torch.randn(6, 10)
     labels = torch.randint(0, 10, (6,))
-    loss_fn = FlashGPTLMLoss()
-    loss_fn(logits, labels)
+    _, side = FlashGPTLMLoss()(logits, labels)
     a, b = AccPerplex(), AccPerplex()
     for _ in range(2):
-        a.update(logits, labels, None, loss_fn.last_token_losses)
+        a.update(logits, labels, None, side.token_losses, side.predictions)
         b.update(logits, labels)
     ra, rb = a.get_metric(), b.get_metric()
     assert ra["tokens"] == 12 and ra["ppl"] == pytest.approx(rb["ppl"], rel=1e-6)
@@ -95,5 +94,12 @@ def test_cpu_peak_is_best_seen_and_gpu_table(tmp_path):
     cache.write_text(json.dumps({_cpu_key(torch.float32): 1e15}))
     assert cpu_peak_flops(torch.float32, cache) == 1e15  # a better earlier reading wins
     assert gpu_peak_flops("NVIDIA H200", torch.bfloat16) == 989e12
-    assert gpu_peak_flops("NVIDIA A100-SXM4-80GB", torch.float32) == 156e12
+    # fp32 is TF32's peak only when TF32 is on (torch.tf32); plain fp32 runs without tensor cores
+    assert gpu_peak_flops("NVIDIA A100-SXM4-80GB", torch.float32, tf32=True) == 156e12
+    assert gpu_peak_flops("NVIDIA A100-SXM4-80GB", torch.float32) == 19.5e12
+    assert gpu_peak_flops("NVIDIA H100 80GB HBM3", torch.float32) == 67e12
+    # PCIe and NVL variants have their own (lower) peaks; H20 is not H200
+    assert gpu_peak_flops("NVIDIA H100 PCIe", torch.bfloat16) == 756e12
+    assert gpu_peak_flops("NVIDIA H100 NVL", torch.bfloat16) == 835e12
+    assert gpu_peak_flops("NVIDIA H20", torch.bfloat16) == 148e12
     assert gpu_peak_flops("Some Future GPU", torch.bfloat16) is None

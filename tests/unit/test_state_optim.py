@@ -1,4 +1,4 @@
-"""TrainState, BatchSkipper, schedules, grad scaler, optimizer selection, clipping."""
+"""TrainState, BatchSkipper, schedules, grad scaler, parameter groups, clipping."""
 
 import math
 
@@ -7,8 +7,7 @@ import torch
 
 from internlm_core.config.schema import GradScalerConfig
 from internlm_core.errors import ConfigError
-from internlm_core.optim import (Beta2Scheduler, DynamicGradScaler, WarmupCosineLR, clip_and_check, param_groups,
-                                 select_adam_impl)
+from internlm_core.optim import Beta2Scheduler, DynamicGradScaler, WarmupCosineLR, clip_and_check, param_groups
 from internlm_core.trainer.state import BatchSkipper, TrainState, parse_skip_batches
 
 
@@ -82,12 +81,8 @@ def test_grad_scaler_hysteresis_and_growth():
     assert t.state_dict() == s.state_dict()
 
 
-def test_adam_selection_and_groups():
-    assert select_adam_impl("auto", "cuda", apex_installed=True) == "apex"
-    assert select_adam_impl("auto", "cpu", apex_installed=True) == "fused"
-    assert select_adam_impl("torch", "cuda", apex_installed=True) == "fused"
-    with pytest.raises(ConfigError, match="'apex' requested but NVIDIA apex is not installed"):
-        select_adam_impl("apex", "cuda", apex_installed=False)
+def test_adam_param_groups():
+    # which AdamW implementation runs is numerics.select_kernels' decision: tests/unit/test_kernels.py
     model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.RMSNorm(4))
     groups = param_groups(model, 0.1)
     assert [len(g["params"]) for g in groups] == [1, 2]  # weight decays; bias and norm do not

@@ -1,0 +1,204 @@
+"""Kernels: which implementation runs attention, cross entropy, linear layers, the optimizer and the gradient
+reduction, decided in one place from the config, the precision, the device and the parallel layout.
+
+    kernels = select_kernels(cfg.model, cfg.adam, precision, device, tp=dims.tp, dp=dims.dp, ...)
+    # logs one line: "kernels: attention flash, cross entropy flash, ... (why each fallback happened)"
+
+The model, the loss and the optimizer receive these names and probe nothing themselves.
+
+attention       flash         flash-attn 2 (varlen over packed documents); CUDA, 16-bit q/k/v
+                sdpa          torch's scaled_dot_product_attention (dense document mask when packed)
+                cpu_blocked   causal attention as blocked matmuls with per-block document masks (the CPU path)
+cross_entropy   flash         flash-attn's Triton kernel (in-place backward); CUDA
+                fused_chunked one pass over row chunks: loss, argmax and the logits' gradient (any device)
+                fused_chunked_compiled  the same, chunks under torch.compile (model.compile)
+                torch         F.cross_entropy on fp32 logits (label smoothing without flash-attn)
+                vocab_parallel  torch's loss_parallel over vocabulary-sharded logits (tensor parallel)
+linear          onednn        fp32 linear layers on oneDNN's GEMM (CPU); torch: F.linear
+optimizer       apex          NVIDIA apex FusedAdam (plain tensors on CUDA only)
+                fused         torch's fused AdamW (CUDA, CPU); foreach: torch's multi-tensor AdamW
+grad_reduce     micro_batch   FSDP reduce-scatters every micro-batch (sharded data parallel, as torchtitan)
+                step          gradients accumulate over the micro-batches, reduced once per step
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import torch
+
+from ..errors import ConfigError
+from ..utils import accelerators
+from ..utils.accelerators import Probe
+from ..utils.logging import get_logger
+from .precision import Precision
+
+logger = get_logger(__name__)
+
+ATTENTION = ("flash", "sdpa", "cpu_blocked")
+CROSS_ENTROPY = ("flash", "fused_chunked", "fused_chunked_compiled", "torch", "vocab_parallel")
+LINEAR = ("onednn", "torch")
+OPTIMIZER = ("apex", "fused", "foreach")
+GRAD_REDUCE = ("micro_batch", "step")
+
+
+@dataclass(frozen=True)
+class Kernels:
+    """The decision (see the module docstring for the names); `notes` say why a plainer kernel was taken."""
+
+    attention: str
+    cross_entropy: str
+    linear: str
+    optimizer: str
+    grad_reduce: str = "step"
+    notes: tuple[str, ...] = ()
+    warnings: tuple[str, ...] = ()  # one per installed-but-broken accelerator, logged as a warning
+
+    def describe(self) -> str:
+        line = (f"kernels: attention {self.attention}, cross entropy {self.cross_entropy}, linear {self.linear}, "
+                f"optimizer {self.optimizer}, gradients reduced every {self.grad_reduce.replace('_', '-')}")
+        return line + (f" ({'; '.join(self.notes)})" if self.notes else "")
+
+
+@dataclass(frozen=True)
+class Probes:
+    """What is installed and working; `probe_all(device_type)` asks utils.accelerators (tests pass their own)."""
+
+    flash_attn: Probe = accelerators.NOT_INSTALLED
+    flash_cross_entropy: Probe = accelerators.NOT_INSTALLED
+    apex: Probe = accelerators.NOT_INSTALLED
+    onednn: bool = False
+
+
+def probe_all(device_type: str) -> Probes:
+    """Probe only what this device type could use (nothing CUDA-only is imported on a CPU run)."""
+    cuda = device_type == "cuda"
+    return Probes(
+        flash_attn=accelerators.probe_flash_attn(device_type) if cuda else accelerators.NOT_INSTALLED,
+        flash_cross_entropy=accelerators.probe_flash_cross_entropy(device_type) if cuda else accelerators.NOT_INSTALLED,
+        apex=accelerators.probe_apex(device_type) if cuda else accelerators.NOT_INSTALLED,
+        onednn=device_type == "cpu" and accelerators.onednn_linear_available())
+
+
+# package -> (why it does not work, what falls back): one warning per broken package
+Fallbacks = dict[str, tuple[str, list[str]]]
+
+
+def _fall_back(fallbacks: Fallbacks, package: str, probe: Probe, what: str) -> None:
+    fallbacks.setdefault(package, (probe.why_not(), []))[1].append(what)
+
+
+def select_attention(requested: str, use_flash_attn: bool, precision: Precision, device_type: str,
+                     flash: Probe, notes: list[str], fallbacks: Fallbacks) -> str:
+    """model.attn_backend (auto, flash, sdpa, cpu_blocked) -> the attention kernel."""
+    if requested in ("sdpa", "cpu_blocked"):
+        return requested
+    if requested == "flash":
+        if device_type != "cuda":
+            raise ConfigError(f"model.attn_backend: 'flash' requested but the device is {device_type}, not cuda; "
+                              f"use 'auto' or 'sdpa'")
+        if not flash.ok:
+            raise ConfigError(f"model.attn_backend: 'flash' requested but flash-attn {flash.why_not()}; "
+                              f"use 'auto' or 'sdpa'")
+        if not precision.half:
+            notes.append(f"flash-attn under {precision.name}: q/k/v cast to bf16 for the kernel")
+        return "flash"
+    if requested != "auto":
+        raise ConfigError(f"model.attn_backend: expected auto, flash, sdpa or cpu_blocked, got {requested!r}")
+    if device_type != "cuda":
+        return "cpu_blocked" if device_type == "cpu" else "sdpa"
+    if not use_flash_attn:
+        return "sdpa"
+    if flash.broken:
+        _fall_back(fallbacks, "flash-attn", flash, "attention falls back to SDPA")
+        return "sdpa"
+    if not flash.ok:
+        notes.append("flash-attn not installed: attention on SDPA")
+        return "sdpa"
+    if not precision.half:
+        notes.append(f"attention on SDPA: flash-attn takes 16-bit inputs and {precision.name} computes in fp32")
+        return "sdpa"
+    return "flash"
+
+
+def select_cross_entropy(device_type: str, label_smoothing: float, vocab_parallel: bool, compiled: bool,
+                         flash_ce: Probe, notes: list[str], fallbacks: Fallbacks) -> str:
+    if vocab_parallel:
+        return "vocab_parallel"
+    if device_type == "cuda" and flash_ce.ok:
+        return "flash"
+    if label_smoothing == 0:
+        choice = "fused_chunked_compiled" if compiled else "fused_chunked"
+    else:
+        notes.append("cross entropy on torch's kernel: the fused one has no label smoothing")
+        choice = "torch"
+    if device_type == "cuda" and flash_ce.broken:
+        _fall_back(fallbacks, "flash-attn", flash_ce, f"the loss falls back to {choice}")
+    return choice
+
+
+def select_optimizer(requested: str, device_type: str, dtensor_params: bool, apex: Probe, notes: list[str],
+                     fallbacks: Fallbacks) -> str:
+    """adam.fused (auto, torch, apex) -> the AdamW implementation."""
+    if requested == "apex":
+        if device_type != "cuda":
+            raise ConfigError(f"adam.fused: 'apex' requested but the device is {device_type}, not cuda; "
+                              f"use 'auto' or 'torch'")
+        if not apex.ok:
+            raise ConfigError(f"adam.fused: 'apex' requested but NVIDIA apex {apex.why_not()}; use 'auto' or 'torch'")
+        if dtensor_params:
+            raise ConfigError("adam.fused: 'apex' requested but the parameters are DTensors (FSDP2 data parallel or "
+                              "tensor parallel), which apex's multi_tensor_adam cannot read; use 'auto' or 'torch'")
+        return "apex"
+    if requested not in ("auto", "torch"):
+        raise ConfigError(f"adam.fused: expected auto, torch or apex, got {requested!r}")
+    if requested == "auto" and device_type == "cuda":
+        if apex.ok and not dtensor_params:
+            return "apex"
+        if apex.broken:
+            _fall_back(fallbacks, "NVIDIA apex", apex, "AdamW falls back to torch's fused kernel")
+        elif apex.ok:
+            notes.append("apex not used: the parameters are DTensors")
+    return "fused" if device_type in ("cuda", "cpu") else "foreach"
+
+
+def select_grad_reduce(dp: int, dp_shard: int, pp: int, micro_num: int, notes: list[str]) -> str:
+    """Sharded data parallel reduce-scatters every micro-batch: skipping it would keep every parameter's
+    gradient unsharded in fp32 until the last micro-batch (4 bytes per parameter, 27 GiB for 7B). Replicated
+    data parallel loses no memory by waiting and all-reduces once. Under pipeline parallel torch's schedule
+    decides (it accumulates; the estimator counts it)."""
+    if dp == 1 or micro_num == 1 or pp > 1 or dp_shard == 1:
+        return "step"
+    notes.append(f"{micro_num} reduce-scatters per step: sharded gradients accumulate, unsharded ones are not kept")
+    return "micro_batch"
+
+
+def select_kernels(model_cfg: Any, adam_cfg: Any, precision: Precision, device: torch.device | str, tp: int = 1,
+                   dp: int = 1, dp_shard: int = 1, pp: int = 1, micro_num: int = 1, label_smoothing: float = 0.0,
+                   probes: Optional[Probes] = None, log: bool = True) -> Kernels:
+    """Every kernel choice of a run (see the module docstring), with one log line saying what and why.
+
+    model_cfg: the `model` section (attn_backend, use_flash_attn, compile, parallel_output);
+    adam_cfg: the `adam` section (fused). Parameters are DTensors whenever dp > 1 (FSDP2) or tp > 1.
+    An accelerator that is installed but broken falls back with one warning; one that was asked for
+    explicitly and cannot run is a ConfigError naming the key.
+    """
+    device_type = torch.device(device).type
+    probes = probes if probes is not None else probe_all(device_type)
+    notes: list[str] = []
+    fallbacks: Fallbacks = {}
+    attention = select_attention(model_cfg.attn_backend, model_cfg.use_flash_attn, precision, device_type,
+                                 probes.flash_attn, notes, fallbacks)
+    cross_entropy = select_cross_entropy(device_type, label_smoothing, tp > 1 and model_cfg.parallel_output,
+                                         model_cfg.compile, probes.flash_cross_entropy, notes, fallbacks)
+    linear = "onednn" if device_type == "cpu" and probes.onednn else "torch"
+    optimizer = select_optimizer(adam_cfg.fused, device_type, dp > 1 or tp > 1, probes.apex, notes, fallbacks)
+    grad_reduce = select_grad_reduce(dp, dp_shard, pp, micro_num, notes)
+    kernels = Kernels(attention, cross_entropy, linear, optimizer, grad_reduce, tuple(notes),
+                      tuple(f"{package} {why}: {', '.join(what)}" for package, (why, what) in fallbacks.items()))
+    if log:
+        for warning in kernels.warnings:
+            logger.warning(warning)
+        logger.info(kernels.describe())
+    return kernels
