@@ -7,6 +7,7 @@ from typing import Any, Optional
 import torch
 
 from .attention import default_attention_backend
+from .init import materialize
 from .spec import ModelSpec, get_model_spec
 
 
@@ -22,13 +23,18 @@ def model_args_from_config(cfg: Any, device_type: str = "cpu", quiet: bool = Fal
     return model_spec(cfg).build_args(cfg, attn_backend or default_attention_backend(device_type))
 
 
-def build_model(cfg: Any, device: torch.device | str = "cpu", attn_backend: Optional[str] = None) -> torch.nn.Module:
-    """The model of `cfg.model_type`, initialized on `device` ("meta" builds without allocating); `attn_backend`:
-    the run's attention kernel (see model_args_from_config)."""
+def build_model(cfg: Any, device: torch.device | str = "cpu", seed: Optional[int] = None,
+                attn_backend: Optional[str] = None) -> torch.nn.Module:
+    """The model of `cfg.model_type`: built on the meta device, then (unless `device` is "meta") materialized
+    on `device` and initialized from `seed` (default `cfg.seed`) as every parallel layout initializes it.
+    `attn_backend`: the run's attention kernel (see model_args_from_config)."""
     device = torch.device(device)
     args = model_args_from_config(cfg, "cuda" if device.type == "cuda" else device.type, attn_backend=attn_backend)
-    with torch.device(device):
-        return model_spec(cfg).module(args)
+    with torch.device("meta"):
+        model = model_spec(cfg).module(args)
+    if device.type != "meta":
+        materialize(model, device, cfg.seed if seed is None else seed)
+    return model
 
 
 def count_parameters(model: torch.nn.Module) -> int:

@@ -10,7 +10,7 @@ import torch.nn as nn
 
 from ..distributed.parallel_dims import ParallelDims
 from ..errors import ConfigError
-from ..model import ModelSpec, TensorParallelOptions
+from ..model import ModelSpec, TensorParallelOptions, materialize
 from ..utils.logging import get_logger
 from .activation_checkpoint import checkpoint_and_compile
 from .fsdp import apply_fsdp
@@ -20,15 +20,20 @@ logger = get_logger(__name__)
 
 
 def parallelize_model(model: nn.Module, spec: ModelSpec, cfg: Any, dims: ParallelDims,
-                      device: Optional[torch.device] = None) -> tuple[nn.Module, Optional[PipelineParallel]]:
+                      device: Optional[torch.device] = None, seed: Optional[int] = None
+                      ) -> tuple[nn.Module, Optional[PipelineParallel]]:
     """Parallelize `model` (of family `spec`) in place according to `cfg.parallel` and `dims`.
 
+    A model built on the meta device (`build_model(cfg, "meta")`) is split, sharded and only then
+    materialized on `device` and initialized from `seed` (default `cfg.seed`): no rank ever allocates more
+    than its shards, and every layout starts from the same weights (model/init.py).
     Returns (model, pipeline): `model` is what this rank trains, with the parameter names of the full
     model (under pipeline parallel only this rank's stages); `pipeline` runs the stages (None when
     parallel.pipeline == 1).
     """
     plan = spec.plan
-    device = device or next(model.parameters()).device
+    on_meta = next(model.parameters()).device.type == "meta"
+    device = torch.device(device) if device is not None else next(model.parameters()).device
     chunks, stage_ids = [model], [0]
     if dims.pp > 1:
         model, chunks, stage_ids = split_model(model, plan, dims.pp_rank, dims.pp, cfg.model.num_chunks)
@@ -46,6 +51,8 @@ def parallelize_model(model: nn.Module, spec: ModelSpec, cfg: Any, dims: Paralle
         logger.info(f"activation checkpointing on {n} of {len(blocks)} blocks")
     if dims.dp > 1:
         apply_fsdp(blocks, chunks, dims, reshard_after_forward=dims.pp == 1)
+    if on_meta and device.type != "meta":
+        materialize(model, device, cfg.seed if seed is None else seed)
     pipeline = None
     if dims.pp > 1:
         logits_mesh = dims.submesh("tp") if dims.tp > 1 and cfg.model.parallel_output else None

@@ -150,9 +150,10 @@ def build_trainer(cfg: Config, launch: LaunchInfo, run_dir: Path, seed: Optional
     kernels = build_kernels(cfg, precision, launch.device, dims)
     write_run_files(cfg, run_dir, launch)
 
-    model = build_model(cfg, launch.device, attn_backend=kernels.attention)
+    # sharded before it is materialized: no rank holds the whole model
+    model = build_model(cfg, "meta", attn_backend=kernels.attention)
     n_params = count_parameters(model)
-    model, pipeline = parallelize_model(model, model_spec(cfg), cfg, dims, launch.device)
+    model, pipeline = parallelize_model(model, model_spec(cfg), cfg, dims, launch.device, seed=seed)
     args = model_args_from_config(cfg, launch.device.type, attn_backend=kernels.attention)
     logger.info(f"model {cfg.model_type}: {n_params:,} parameters, {cfg.model.num_layers} layers, "
                 f"hidden {cfg.model.hidden_size}, attention {getattr(args, 'attn_backend', '-')}, dtype {cfg.model.dtype}; "

@@ -17,7 +17,8 @@ import torch.nn.functional as F
 from torch.distributed.tensor import Replicate
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
-from internlm_core.model import ModelSpec, ParallelPlan, get_model_spec, model_types, register_model
+from internlm_core.model import (ModelSpec, ParallelPlan, get_model_spec, init_parameters, model_types,
+                                 register_model)
 
 
 @dataclass
@@ -43,12 +44,10 @@ class ToyLM(nn.Module):
         self.embed = nn.Embedding(a.vocab_size, a.hidden_size)
         self.blocks = nn.ModuleList(ToyBlock(a.hidden_size) for _ in range(a.num_layers))
         self.head = nn.Linear(a.hidden_size, a.vocab_size, bias=False)
-        self.init_weights()
 
-    @torch.no_grad()
-    def init_weights(self, buffer_device: Optional[torch.device] = None) -> None:
-        for p in self.parameters():
-            nn.init.normal_(p, std=0.02)
+    def init_weights(self, seed: int = 0, buffer_device: Optional[torch.device] = None) -> None:
+        # the shared helper gives every parameter a layout-independent value (see internlm_core/model/init.py)
+        init_parameters(self, seed, lambda name, full, generator: full.normal_(0.0, 0.02, generator=generator))
 
     def forward(self, input_ids, position_ids=None, cu_seqlens=None, document_ids=None):
         h = self.embed(input_ids)

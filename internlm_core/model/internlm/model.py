@@ -18,6 +18,7 @@ import torch.nn.functional as F
 
 from ..args import ModelArgs
 from ..attention import PackedMeta, attention, build_packed_meta
+from ..init import init_parameters
 from ..layers import Linear, RMSNorm, apply_rotary, rotary_tables
 
 
@@ -71,6 +72,22 @@ class TransformerBlock(nn.Module):
         return x + self.feed_forward(self.ffn_norm(x))
 
 
+class Rotary(nn.Module):
+    """The rotary cos/sin tables [max_seqlen, head_dim] (not saved: rebuilt from the shape)."""
+
+    def __init__(self, a: ModelArgs):
+        super().__init__()
+        self.shape = (a.head_dim, a.max_seqlen, a.rope_base)
+        cos, sin = rotary_tables(*self.shape)  # on the meta device under a meta build: no values yet
+        self.register_buffer("cos", cos, persistent=False)
+        self.register_buffer("sin", sin, persistent=False)
+
+    def reset(self, device: torch.device) -> None:
+        if device.type != "meta":
+            cos, sin = rotary_tables(*self.shape)
+            self.cos, self.sin = cos.to(device), sin.to(device)
+
+
 class Transformer(nn.Module):
     """Embedding → blocks → norm → output. Any of them may be None on a pipeline stage that lacks it."""
 
@@ -83,26 +100,23 @@ class Transformer(nn.Module):
         self.output: Optional[nn.Linear] = Linear(a.hidden_size, a.vocab_size, bias=False)
         if a.tie_word_embeddings:
             self.output.weight = self.tok_embeddings.weight
-        cos, sin = rotary_tables(a.head_dim, a.max_seqlen, a.rope_base)
-        self.register_buffer("rope_cos", cos, persistent=False)
-        self.register_buffer("rope_sin", sin, persistent=False)
-        self.init_weights()
+        self.rope = Rotary(a)  # a module of its own: pipeline chunks share it (and its materialized tables)
+        if self.rope.cos.device.type != "meta":  # built directly on a device: usable at once
+            self.init_weights()
 
-    @torch.no_grad()
-    def init_weights(self, buffer_device: Optional[torch.device] = None) -> None:
-        """N(0, init_std) matrices, zero biases, unit norms; also rebuilds the rotary tables (after meta init)."""
-        a = self.args
-        for m in self.modules():
-            if isinstance(m, (nn.Linear, nn.Embedding)):
-                nn.init.normal_(m.weight, std=a.init_std)
-                if getattr(m, "bias", None) is not None:
-                    nn.init.zeros_(m.bias)
-            elif isinstance(m, nn.RMSNorm):
-                nn.init.ones_(m.weight)
-        device = buffer_device or self.rope_cos.device
-        if device.type != "meta":
-            cos, sin = rotary_tables(a.head_dim, a.max_seqlen, a.rope_base)
-            self.rope_cos, self.rope_sin = cos.to(device), sin.to(device)
+    def init_weights(self, seed: int = 0, buffer_device: Optional[torch.device] = None) -> None:
+        """N(0, init_std) matrices, zero biases, unit norms, each from its own generator (model/init.py: the same
+        values in every layout); rebuilds the rotary tables on `buffer_device` (after a meta build)."""
+        init_parameters(self, seed, self._fill)
+        self.rope.reset(buffer_device or self.rope.cos.device)
+
+    def _fill(self, name: str, full: torch.Tensor, generator: torch.Generator) -> None:
+        if name.endswith("norm.weight"):  # attention_norm, ffn_norm, norm: RMSNorm scales
+            full.fill_(1.0)
+        elif name.endswith(".bias"):
+            full.zero_()
+        else:
+            full.normal_(0.0, self.args.init_std, generator=generator)
 
     def forward(self, input_ids: torch.Tensor, position_ids: Optional[torch.Tensor] = None,
                 cu_seqlens: Optional[torch.Tensor] = None, document_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
@@ -126,8 +140,8 @@ class Transformer(nn.Module):
                 h = s * h + (1.0 - s) * h.detach()
         else:
             h = input_ids
-        cos = self.rope_cos[position_ids].unsqueeze(2)
-        sin = self.rope_sin[position_ids].unsqueeze(2)
+        cos = self.rope.cos[position_ids].unsqueeze(2)
+        sin = self.rope.sin[position_ids].unsqueeze(2)
         meta = build_packed_meta(cu_seqlens, B, T, self.args.attn_backend, h.device, document_ids)
         for layer in self.layers.values():
             h = layer(h, cos, sin, meta)

@@ -131,8 +131,7 @@ def _chunk_view(model: nn.Module, stage: int, num_stages: int, layer_names: list
     last = stage == num_stages - 1
     chunk.norm = model.norm if last else None
     chunk.output = model.output if last else None
-    chunk.register_buffer("rope_cos", model.rope_cos, persistent=False)
-    chunk.register_buffer("rope_sin", model.rope_sin, persistent=False)
+    chunk.rope = model.rope  # shared: materializing the model materializes the chunks' tables too
     return chunk
 
 
