@@ -11,22 +11,24 @@ import torch.nn as nn
 from ..distributed.parallel_dims import ParallelDims
 from ..errors import ConfigError
 from ..model import ModelSpec, TensorParallelOptions, materialize
+from ..numerics import Precision
 from ..utils.logging import get_logger
 from .activation_checkpoint import checkpoint_and_compile
-from .fsdp import apply_fsdp
+from .fsdp import apply_fsdp, mixed_precision_policy
 from .pipeline import PipelineParallel, split_model
 
 logger = get_logger(__name__)
 
 
 def parallelize_model(model: nn.Module, spec: ModelSpec, cfg: Any, dims: ParallelDims,
-                      device: Optional[torch.device] = None, seed: Optional[int] = None
-                      ) -> tuple[nn.Module, Optional[PipelineParallel]]:
+                      device: Optional[torch.device] = None, seed: Optional[int] = None,
+                      precision: Optional[Precision] = None) -> tuple[nn.Module, Optional[PipelineParallel]]:
     """Parallelize `model` (of family `spec`) in place according to `cfg.parallel` and `dims`.
 
     A model built on the meta device (`build_model(cfg, "meta")`) is split, sharded and only then
     materialized on `device` and initialized from `seed` (default `cfg.seed`): no rank ever allocates more
-    than its shards, and every layout starts from the same weights (model/init.py).
+    than its shards, and every layout starts from the same weights (model/init.py). Under FSDP, `precision`
+    sets its mixed precision policy (16-bit all-gathers, fp32 gradient reduction and master weights).
     Returns (model, pipeline): `model` is what this rank trains, with the parameter names of the full
     model (under pipeline parallel only this rank's stages); `pipeline` runs the stages (None when
     parallel.pipeline == 1).
@@ -50,7 +52,8 @@ def parallelize_model(model: nn.Module, spec: ModelSpec, cfg: Any, dims: Paralle
     if n:
         logger.info(f"activation checkpointing on {n} of {len(blocks)} blocks")
     if dims.dp > 1:
-        apply_fsdp(blocks, chunks, dims, reshard_after_forward=dims.pp == 1)
+        mp = mixed_precision_policy(precision.compute_dtype, precision.reduce_dtype) if precision else None
+        apply_fsdp(blocks, chunks, dims, reshard_after_forward=dims.pp == 1, mp_policy=mp)
     if on_meta and device.type != "meta":
         materialize(model, device, cfg.seed if seed is None else seed)
     pipeline = None
@@ -61,4 +64,4 @@ def parallelize_model(model: nn.Module, spec: ModelSpec, cfg: Any, dims: Paralle
     return model, pipeline
 
 
-__all__ = ["PipelineParallel", "apply_fsdp", "checkpoint_and_compile", "parallelize_model", "split_model"]
+__all__ = ["PipelineParallel", "apply_fsdp", "mixed_precision_policy", "checkpoint_and_compile", "parallelize_model", "split_model"]

@@ -153,7 +153,8 @@ def build_trainer(cfg: Config, launch: LaunchInfo, run_dir: Path, seed: Optional
     # sharded before it is materialized: no rank holds the whole model
     model = build_model(cfg, "meta", attn_backend=kernels.attention)
     n_params = count_parameters(model)
-    model, pipeline = parallelize_model(model, model_spec(cfg), cfg, dims, launch.device, seed=seed)
+    model, pipeline = parallelize_model(model, model_spec(cfg), cfg, dims, launch.device, seed=seed,
+                                        precision=precision)
     args = model_args_from_config(cfg, launch.device.type, attn_backend=kernels.attention)
     logger.info(f"model {cfg.model_type}: {n_params:,} parameters, {cfg.model.num_layers} layers, "
                 f"hidden {cfg.model.hidden_size}, attention {getattr(args, 'attn_backend', '-')}, dtype {cfg.model.dtype}; "
