@@ -127,6 +127,18 @@ def slurm_env_to_torch(env: Optional[dict] = None, default_port: int = 29500) ->
             "MASTER_ADDR": addr, "MASTER_PORT": port}
 
 
+def cuda_device_index(local_rank: int, visible: int) -> int:
+    """This process's GPU among the `visible` ones: the only one when it sees one (SLURM --gpus-per-task=1 or a
+    per-task CUDA_VISIBLE_DEVICES), else its local rank (torchrun, or SLURM with every GPU of the node visible)."""
+    if visible == 1:
+        return 0
+    if 0 <= local_rank < visible:
+        return local_rank
+    raise LaunchError(f"local rank {local_rank} has no GPU: this process sees {visible} "
+                      f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', 'unset')}); give each node as "
+                      f"many GPUs as tasks, or one GPU per task")
+
+
 def init_distributed(launcher: Optional[str] = None, timeout_s: float = 600.0,
                      device_type: Optional[str] = None) -> LaunchInfo:
     """Initialize torch.distributed for this process; single process (world size 1) forms no group.
@@ -146,7 +158,8 @@ def init_distributed(launcher: Optional[str] = None, timeout_s: float = 600.0,
     local = int(os.environ.get("LOCAL_RANK", 0))
     if device_type is None:
         device_type = "cuda" if torch.cuda.is_available() else "cpu"
-    device = torch.device(f"cuda:{local}") if device_type == "cuda" else torch.device("cpu")
+    device = torch.device("cuda", cuda_device_index(local, torch.cuda.device_count())) if device_type == "cuda" \
+        else torch.device("cpu")
     if device.type == "cuda":
         torch.cuda.set_device(device)
     if world == 1 or launcher == "none":
