@@ -87,14 +87,14 @@ def make_tokens(n_docs: int, folder: str, files: int = 10, seed: int = 0, mean: 
 
 
 PROBE = r"""
-import json, os, resource, sys, time
+import json, os, sys, time
 sys.path.insert(0, {root!r})
 import numpy, torch
 from internlm_core.config.schema import DataConfig
-def rss_kb():
+def status_kb(key):  # VmHWM, not ru_maxrss: that one keeps the parent's peak across fork and exec
     with open("/proc/self/status") as fh:
-        return int(next(l for l in fh if l.startswith("VmRSS")).split()[1])
-base = rss_kb()
+        return int(next(l for l in fh if l.startswith(key)).split()[1])
+base = status_kb("VmRSS")
 t0 = time.perf_counter()
 from internlm_core.data import build_train_loader
 cfg = DataConfig(seq_len=256, micro_bsz=2, packed_length=512, micro_num=2, seed=1, train_folder={folder!r},
@@ -106,7 +106,7 @@ first = time.perf_counter() - t0
 n, t1 = 0, time.perf_counter()
 while time.perf_counter() - t1 < 2.0:
     n += next(it)["input_ids"].numel()
-peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+peak = status_kb("VmHWM")
 print(json.dumps({{"base_mb": base / 1024, "peak_mb": peak / 1024, "first_batch_s": first,
                    "tokens_per_s": n / (time.perf_counter() - t1), "docs": ld.table.num_docs}}))
 """
