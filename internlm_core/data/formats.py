@@ -39,7 +39,7 @@ import numpy as np
 from internlm_core.errors import DataError
 
 from .megatron import MegatronTokenFile, MegatronWriter, idx_path_for
-from .internlm_format import INTERNLM_PREFIX, InternLMTokenFile, InternLMWriter
+from .internlm_format import INTERNLM_PREFIX, InternLMTokenFile, InternLMWriter  # noqa: F401 - re-exported
 from .tokenfile import CHUNK, VERIFY_MAX_BYTES, FileArray, FileReader, TokenFile, stat_key
 
 BIN_MAGIC = b"\x93ILMCBIN"
@@ -49,7 +49,7 @@ HEADER_SIZE = 64
 _BIN_HEADER = struct.Struct("<8sHBBIQQQ16s8x")   # 64 bytes
 _META_HEADER = struct.Struct("<8sH6xQQ16sII8x")  # 64 bytes
 HAS_CRC = 1
-_READ = 1 << 24  # bytes read at once by the checksum
+_READ = 1 << 22  # bytes read at once by the checksum
 assert _BIN_HEADER.size == HEADER_SIZE and _META_HEADER.size == HEADER_SIZE  # layout constants, not user input
 
 

@@ -29,6 +29,7 @@ blocks of consecutive documents are put in a random order, and the documents of 
 
 from __future__ import annotations
 
+import bisect
 import contextlib
 import hashlib
 import json
@@ -52,8 +53,8 @@ logger = get_logger(__name__)
 
 CACHE_VERSION = 1
 FULL_SHUFFLE = 1 << 20  # streams with at most this many documents get a uniform permutation
-WINDOW = 1 << 19        # documents shuffled together in the two-level shuffle
-SUB = 1 << 18           # documents processed at once when rows are computed
+WINDOW = 1 << 18        # documents shuffled together in the two-level shuffle
+SUB = 1 << 16           # documents processed at once when rows are computed
 
 
 # ------------------------------------------------------------------------------------------------------- the cache
@@ -194,6 +195,7 @@ class Stream:
     def __post_init__(self):
         self.ranges = [self.table.source_range(s) for s in self.sources]
         self.mstarts = np.concatenate([[0], np.cumsum([b - a for a, b in self.ranges])]).astype(np.int64)
+        self._mstarts = self.mstarts.tolist()
         self.num_docs = int(self.mstarts[-1])
         self.num_tokens = self._tokens()
         P = self.packed_length
@@ -214,12 +216,14 @@ class Stream:
         return base[idx] + (m - self.mstarts[idx])
 
     def member_lengths(self, m0: int, m1: int) -> np.ndarray:
+        i = bisect.bisect_right(self._mstarts, m0) - 1
         out = []
-        for i, (a, b) in enumerate(self.ranges):
-            lo, hi = max(m0, int(self.mstarts[i])), min(m1, int(self.mstarts[i + 1]))
-            if lo < hi:
-                out.append(self.table.lengths_range(a + lo - int(self.mstarts[i]), a + hi - int(self.mstarts[i])))
-        return np.concatenate(out) if out else np.zeros(0, np.int64)
+        while m0 < m1:
+            a, hi = self.ranges[i][0], self._mstarts[i + 1]
+            stop = min(m1, hi)
+            out.append(self.table.lengths_range(a + m0 - self._mstarts[i], a + stop - self._mstarts[i]))
+            m0, i = stop, i + 1
+        return out[0] if len(out) == 1 else np.concatenate(out) if out else np.zeros(0, np.int64)
 
     def order_chunks(self, epoch: int) -> Iterator[tuple[np.ndarray, np.ndarray]]:
         """(global ids, lengths) of the epoch's documents in order, in chunks of bounded size."""
@@ -244,12 +248,10 @@ class Stream:
         per_window = max(1, WINDOW // B)
         blocks = rng.permutation(nb)
         for w in range(0, nb, per_window):
-            ids, lens = [], []
-            for b in blocks[w:w + per_window].tolist():
-                m0, m1 = b * B, min(M, (b + 1) * B)
-                ids.append(np.arange(m0, m1, dtype=np.int64))
-                lens.append(self.member_lengths(m0, m1))
-            ids_a, lens_a = np.concatenate(ids), np.concatenate(lens)
+            bl = blocks[w:w + per_window]
+            ids_a = (bl[:, None] * B + np.arange(B)[None, :]).ravel()
+            ids_a = ids_a[ids_a < M]  # the last block may be short
+            lens_a = np.concatenate([self.member_lengths(b * B, min(M, (b + 1) * B)) for b in bl.tolist()])
             p = rng.permutation(len(ids_a))
             yield self.to_global(ids_a[p]), lens_a[p]
 

@@ -15,7 +15,7 @@ import numpy as np
 
 from internlm_core.errors import DataError
 
-CHUNK = 1 << 20  # entries read at once by the sequential passes (8 MB of int64)
+CHUNK = 1 << 18  # entries read at once by the sequential passes (2 MB of int64)
 VERIFY_MAX_BYTES = 1 << 30  # open_token_file(verify=None) checks files up to this size
 
 
