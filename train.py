@@ -8,6 +8,7 @@
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -24,6 +25,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="build the model on the meta device, print its size and memory, and exit")
     p.add_argument("--profiling", action="store_true", help="run torch.profiler on a schedule (traces in the run folder)")
     p.add_argument("--dist-timeout", type=float, default=600.0, help="seconds before a stuck collective fails")
+    p.add_argument("--simulate", type=int, default=None, metavar="WORLD_SIZE",
+                   help="run as one rank of a WORLD_SIZE-rank job on this CPU (fake collectives): per-rank memory")
+    p.add_argument("--simulate-rank", type=int, default=0, metavar="R", help="the rank --simulate runs (default 0)")
     return p.parse_args(argv)
 
 
@@ -37,10 +41,23 @@ def main(argv=None, extra_callbacks=None) -> int:
     if args.dry_run:
         from internlm_core.model import build_model, count_parameters, model_args_from_config
         from internlm_core.estimate import describe
+        from internlm_core.config.loader import compat_lines
         cfg = load_config(args.config, args.set)
+        for line in compat_lines(cfg):  # InternLM/InternEvo keys kept for compatibility, forms translated
+            print(f"note: {line}")
         n = count_parameters(build_model(cfg, "meta"))
         print(describe(cfg, model_args_from_config(cfg)))
         print(f"built on the meta device: {n:,} parameters")
+        return 0
+
+    if args.simulate is not None:
+        from internlm_core.trainer.simulate import simulate
+        cfg = load_config(args.config, args.set, world_size=args.simulate)
+        run_dir = Path(args.run_dir or f"RUN/{cfg.JOB_NAME}/simulate-{args.simulate}-rank{args.simulate_rank}")
+        run_dir.mkdir(parents=True, exist_ok=True)
+        setup_logging(args.simulate_rank, run_dir)
+        simulate(cfg, args.simulate, args.simulate_rank, run_dir, seed=args.seed)
+        destroy_distributed()
         return 0
 
     launch = init_distributed(args.launcher, timeout_s=args.dist_timeout)

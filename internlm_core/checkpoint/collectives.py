@@ -21,7 +21,9 @@ class Collectives:
         self.rank, self.world_size, self.local_rank = int(rank), int(world_size), int(local_rank)
         self.group: dist.ProcessGroup | None = None
         if self.world_size > 1 and dist.is_available() and dist.is_initialized():
-            self.group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=timeout_s))
+            # gloo for the checkpoint's own traffic; a simulated job (the fake backend) has no real peers to reach
+            backend = None if dist.get_backend() == "fake" else "gloo"
+            self.group = dist.new_group(backend=backend, timeout=datetime.timedelta(seconds=timeout_s))
 
     def all_gather(self, obj: Any) -> list:
         """Every rank's `obj`, in rank order."""

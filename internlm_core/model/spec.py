@@ -14,8 +14,9 @@ The contract a family's module fulfils (what the trainer and the pipeline call):
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Mapping, Optional
 
+import torch
 import torch.nn as nn
 
 from ..errors import ConfigError
@@ -32,6 +33,20 @@ class TensorParallelOptions:
 
 
 @dataclass(frozen=True)
+class StageShapes:
+    """What fixes the shapes pipeline stages exchange: one micro-batch's rows and tokens, the tensor-parallel
+    split, and the dtypes of hidden states and logits."""
+
+    rows: int
+    seq_len: int
+    tp: int = 1
+    sequence_parallel: bool = False
+    parallel_output: bool = True
+    hidden_dtype: torch.dtype = torch.float32
+    logits_dtype: torch.dtype = torch.float32
+
+
+@dataclass(frozen=True)
 class ParallelPlan:
     """How the generic parallel code (internlm_core/parallel) cuts and shards a family's module.
 
@@ -41,20 +56,41 @@ class ParallelPlan:
     apply_tensor_parallel(model, tp_mesh, options): shard the module in place with DTensor plans.
     split_stages(model, stage_ids, num_stages): prune the module to the virtual pipeline stages
         `stage_ids` (keeping parameter names) and return (model, one runnable chunk per stage).
+    stage_io(args, stage, num_stages, shapes) -> (input, output) of one micro-batch of a stage as meta tensors
+        (a simulated job's pipeline cannot learn them from its fake neighbours).
     """
 
     blocks: Callable[[nn.Module], list[nn.Module]]
     apply_tensor_parallel: Optional[Callable[[nn.Module, Any, TensorParallelOptions], None]] = None
     split_stages: Optional[Callable[[nn.Module, list[int], int], tuple[nn.Module, list[nn.Module]]]] = None
+    stage_io: Optional[Callable[[Any, int, int, StageShapes], tuple[torch.Tensor, torch.Tensor]]] = None
+
+
+@dataclass(frozen=True)
+class AdapterContext:
+    """What a state-dict adapter needs besides the tensors.
+
+    args: the model's ModelArgs (heads, kv heads, head_dim, tied embeddings, ...).
+    tp: tensor-parallel shards of the foreign side (InternLM folders keep one state dict per tensor rank).
+    options: the foreign format's own switches (InternLM's model_config.pt: embed_split_hidden, qk_interleaved).
+    """
+
+    args: Any
+    tp: int = 1
+    options: Mapping[str, Any] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
 class StateDictAdapter:
     """Converts a family's state dict to and from a foreign format (Hugging Face, InternLM checkpoints).
 
-    to_foreign / from_foreign map whole state dicts (names, and tensors where a format packs them);
-    foreign_config(cfg, dtype_name) -> the foreign config (e.g. HF config.json) of our config;
-    config_from_foreign(foreign_config) -> raw config sections (dict) for our `model` section.
+    to_foreign(state_dict, ctx) / from_foreign(foreign, ctx) map a whole state dict, or any part of it made of
+    whole layers (the generic code converts one layer at a time), names and tensors where a format packs them.
+    For format "internlm" the foreign side is {tensor rank: state dict} with the pipeline stages merged (global
+    layer numbers). A tied output is produced from, and restored to, the embedding.
+    foreign_config(cfg, dtype_name, special_ids) -> the foreign config (HF config.json, InternLM's
+    model_config.pt) of our Config; config_from_foreign(foreign_config) -> our `model` keys (CheckpointError
+    for what the family cannot represent). architectures: the HF classes this adapter reads and writes.
     """
 
     format: str
@@ -63,6 +99,7 @@ class StateDictAdapter:
     foreign_config: Optional[Callable[..., dict]] = None
     config_from_foreign: Optional[Callable[[dict], dict]] = None
     architectures: tuple[str, ...] = ()
+    description: str = ""
 
 
 @dataclass(frozen=True)
@@ -74,7 +111,8 @@ class ModelSpec:
     fill_defaults(model_cfg): family defaults for unset keys; validate(cfg): family rules (ConfigError).
     num_parameters(args), flops_per_token(args, seq_len): analytic counts for logs, MFU and estimates.
     sizes: named shapes ("7B": {model keys}) of the family's published models.
-    adapters: state-dict adapters by format ("hf", "internlm").
+    adapters: state-dict adapters by format: "hf" (the family's own Hugging Face class), "hf_llama" (the
+        LlamaForCausalLM form), "internlm" (InternLM's / InternEvo's training checkpoints).
     """
 
     name: str

@@ -6,11 +6,12 @@ from __future__ import annotations
 from typing import Any, Optional
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 
 from ..distributed.parallel_dims import ParallelDims
 from ..errors import ConfigError
-from ..model import ModelSpec, TensorParallelOptions, materialize
+from ..model import ModelSpec, StageShapes, TensorParallelOptions, materialize
 from ..numerics import Precision
 from ..utils.logging import get_logger
 from .activation_checkpoint import checkpoint_and_compile
@@ -60,8 +61,24 @@ def parallelize_model(model: nn.Module, spec: ModelSpec, cfg: Any, dims: Paralle
     if dims.pp > 1:
         logits_mesh = dims.submesh("tp") if dims.tp > 1 and cfg.model.parallel_output else None
         pipeline = PipelineParallel(chunks, stage_ids, dims.pp * cfg.model.num_chunks, cfg.data.micro_num,
-                                    dims.group("pp"), device, logits_mesh=logits_mesh)
+                                    dims.group("pp"), device, logits_mesh=logits_mesh,
+                                    stage_io=_simulated_stage_io(spec, cfg, dims, precision))
     return model, pipeline
+
+
+def _simulated_stage_io(spec: ModelSpec, cfg: Any, dims: ParallelDims, precision: Optional[Precision]):
+    """Under the fake backend (a simulated job) the stages' shapes come from the family's plan, not from peers."""
+    if dist.get_backend() != "fake" or spec.plan.stage_io is None:
+        return None
+    compute = precision.compute_dtype if precision is not None else torch.float32
+    # FSDP's mixed precision hands 16-bit activations on; plain autocast keeps the fp32 residual stream
+    hidden = compute if dims.dp > 1 else torch.float32
+    shapes = StageShapes(rows=cfg.data.micro_bsz, seq_len=cfg.data.seq_len, tp=dims.tp,
+                         sequence_parallel=cfg.parallel.sequence_parallel, parallel_output=cfg.model.parallel_output,
+                         hidden_dtype=hidden, logits_dtype=compute)
+    args = spec.build_args(cfg, "sdpa")
+    num_stages = dims.pp * cfg.model.num_chunks
+    return lambda stage: spec.plan.stage_io(args, stage, num_stages, shapes)
 
 
 __all__ = ["PipelineParallel", "apply_fsdp", "mixed_precision_policy", "checkpoint_and_compile", "parallelize_model", "split_model"]

@@ -42,19 +42,42 @@ _INIT_FLAGS = ("_stage_backward_initialized", "_stages_backward_initialized")
 Criterion = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, bool], torch.Tensor]
 
 
+def _static(stage_io: Optional[Callable[[int], tuple[torch.Tensor, torch.Tensor]]], stage: int) -> dict:
+    """PipelineStage's static metadata (inputs, outputs and their gradients) from `stage_io`, or nothing."""
+    if stage_io is None:
+        return {}
+    x, y = stage_io(stage)
+    return {"input_args": x, "output_args": y, "output_grads": y,
+            "input_grads": x if x.is_floating_point() else None}
+
+
+class _StaticStage(PipelineStage):
+    """A stage of a simulated job: every stage has static shapes (`stage_io`), so the outcome of torch's warm-up
+    vote (each stage votes static or dynamic; the product travels over point-to-point sends that fake peers never
+    deliver) is known: static."""
+
+    def _warmup_backward_result(self, received_result=None):  # torch 2.13's vote (schedules._warmup_p2p)
+        return torch.ones(1, dtype=torch.int64)
+
+
 class PipelineParallel:
     """This rank's stages of the pipeline and the training schedule over them."""
 
     def __init__(self, chunks: list[nn.Module], stage_ids: list[int], num_stages: int, micro_num: int,
-                 group: dist.ProcessGroup, device: torch.device, logits_mesh: Optional[DeviceMesh] = None):
+                 group: dist.ProcessGroup, device: torch.device, logits_mesh: Optional[DeviceMesh] = None,
+                 stage_io: Optional[Callable[[int], tuple[torch.Tensor, torch.Tensor]]] = None):
         """logits_mesh: the tensor-parallel mesh when the last stage outputs its local vocabulary shard of
-        the logits (parallel_output); they are handed on as a DTensor sharded along the vocabulary."""
+        the logits (parallel_output); they are handed on as a DTensor sharded along the vocabulary.
+        stage_io(stage) -> (input, output) of one micro-batch as meta tensors: the shapes the stages exchange,
+        given instead of learned from the neighbours (a simulated job's fake peers send nothing)."""
         self.chunks, self.stage_ids, self.num_stages = chunks, stage_ids, num_stages
         self.logits_mesh = logits_mesh
         self.group, self.device = group, device
         self.pp_size = dist.get_world_size(group)
         self.micro_num = micro_num
-        self.stages = [PipelineStage(c, s, num_stages, device, group=group) for c, s in zip(chunks, stage_ids)]
+        stage_cls = PipelineStage if stage_io is None else _StaticStage
+        self.stages = [stage_cls(c, s, num_stages, device, group=group, **_static(stage_io, s))
+                       for c, s in zip(chunks, stage_ids)]
         if len(self.stages) == 1:
             self.schedule = Schedule1F1B(self.stages[0], micro_num, loss_fn=self._loss, scale_grads=True)
         else:
@@ -64,6 +87,9 @@ class PipelineParallel:
                                   f"{len(chunks)}, parallel.pipeline {self.pp_size}) needs micro_num divisible by "
                                   f"max(1, micro_num // pipeline) = {rounds}")
             self.schedule = ScheduleInterleaved1F1B(self.stages, micro_num, loss_fn=self._loss, scale_grads=True)
+        if stage_io is not None and not hasattr(PipelineStage, "_warmup_backward_result"):
+            raise RuntimeError(f"torch {torch.__version__}: PipelineStage has no warm-up vote to settle for a "
+                               f"simulated job; update internlm_core/parallel/pipeline.py for this version")
         if not any(hasattr(self.schedule, f) for f in _INIT_FLAGS):
             raise RuntimeError(f"torch {torch.__version__}: pipeline schedule has none of {_INIT_FLAGS}; "
                                f"update internlm_core/parallel/pipeline.py for this version")

@@ -185,7 +185,8 @@ def build_trainer(cfg: Config, launch: LaunchInfo, run_dir: Path, seed: Optional
     trainer.callbacks.add(CheckpointCallback(trainer.checkpoint_manager))  # after the stop controller
     trainer.checkpoint_manager.resume()  # auto_resume / load_ckpt_info
     # opened after the resume: a resumed run writes on in the TensorBoard folder its checkpoint names
-    trainer.writer = MetricsWriter(run_dir, active=launch.rank == 0, log_every=cfg.monitor.log_every,
+    trainer.writer = MetricsWriter(run_dir, active=launch.rank == 0 or launch.launcher == "simulate",
+                                   log_every=cfg.monitor.log_every,
                                    tensorboard_dir=state.tensorboard_folder if cfg.monitor.tensorboard else None)
     logger.info(f"run folder {run_dir} on {socket.gethostname()}")
     return trainer

@@ -52,6 +52,9 @@ class LoopConfig:
     dtype: str                 # model.dtype (autocast)
     label_smoothing: float
     vocab_parallel_loss: bool  # tensor parallel with parallel_output: logits stay vocabulary-sharded
+    # a simulated job (train.py --simulate): fake peers deliver garbage gradients; step anyway, so that the
+    # optimizer state exists and the memory is that of the real job
+    simulated: bool = False
 
     @classmethod
     def from_config(cls, cfg, tp: int) -> "LoopConfig":
@@ -215,7 +218,7 @@ class Trainer:
         inv = 1.0 / self.grad_scaler.scale if self.grad_scaler is not None else 1.0
         grad_norm, finite = clip_and_check(params, self.loop.clip_grad_norm, inv,
                                            pp_group=self.dims.group("pp") if self.dims.pp > 1 else None)
-        finite = self._all_finite(finite)
+        finite = self._all_finite(finite) or self.loop.simulated
         if self.grad_scaler is not None:
             self.grad_scaler.update(not finite)
         if finite:

@@ -18,6 +18,8 @@ stage 0 also holds the embedding, the last stage the final norm and the output.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
@@ -28,7 +30,7 @@ from torch.distributed.tensor.parallel.style import ParallelStyle
 
 from ...errors import ConfigError
 from ..parallel_styles import ReplicateParallel, stage_layers
-from ..spec import ParallelPlan, TensorParallelOptions
+from ..spec import ParallelPlan, StageShapes, TensorParallelOptions
 
 
 def _norm_style(sequence_parallel: bool) -> ParallelStyle:
@@ -135,5 +137,17 @@ def _chunk_view(model: nn.Module, stage: int, num_stages: int, layer_names: list
     return chunk
 
 
+def stage_io(args: Any, stage: int, num_stages: int, sh: StageShapes) -> tuple[torch.Tensor, torch.Tensor]:
+    """One micro-batch in and out of a stage: token ids into the first, hidden states [rows, T (/ tp under
+    sequence parallel), hidden] between stages, logits [rows, T, V (/ tp with parallel_output)] out of the last."""
+    tokens = sh.seq_len // sh.tp if sh.sequence_parallel else sh.seq_len
+    hidden = torch.empty(sh.rows, tokens, args.hidden_size, dtype=sh.hidden_dtype, device="meta")
+    x = torch.empty(sh.rows, sh.seq_len, dtype=torch.long, device="meta") if stage == 0 else hidden
+    if stage < num_stages - 1:
+        return x, hidden
+    vocab = args.vocab_size // sh.tp if sh.parallel_output and sh.tp > 1 else args.vocab_size
+    return x, torch.empty(sh.rows, sh.seq_len, vocab, dtype=sh.logits_dtype, device="meta")
+
+
 PLAN = ParallelPlan(blocks=lambda model: list(model.layers.values()),
-                    apply_tensor_parallel=apply_tensor_parallel, split_stages=split_stages)
+                    apply_tensor_parallel=apply_tensor_parallel, split_stages=split_stages, stage_io=stage_io)

@@ -1,0 +1,63 @@
+"""`train.py --simulate W [--simulate-rank R]`: run a config as rank R of a W-rank job on this machine's CPU.
+
+The fake process group (distributed/simulate.py) makes every collective return at once, so the rank builds,
+shards and trains exactly its own part of the job: real per-rank shapes, memory and compute. The run folder
+gets the usual metrics and memory report; the summary compares the peak with the estimator's prediction for
+the same layout on CPU (`tools/estimate.py --device cpu`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+from typing import Optional
+
+import psutil
+from torch.distributed.tensor import DTensor
+
+from ..config import Config
+from ..distributed import init_simulated
+from ..errors import LaunchError
+from ..estimate import GiB, estimate
+from ..utils.logging import get_logger
+from .build import build_trainer
+
+logger = get_logger(__name__)
+
+
+def check_fits(cfg: Config, world_size: int, rank: int, available: Optional[int] = None) -> float:
+    """The estimator's peak bytes of one rank on CPU; LaunchError when that exceeds this machine's free memory."""
+    need = estimate(cfg, world_size, device="cpu").memory.total
+    available = psutil.virtual_memory().available if available is None else available
+    if need > 0.9 * available:
+        raise LaunchError(f"--simulate {world_size}: rank {rank}'s share needs about {need / GiB:.1f} GiB "
+                          f"(tools/estimate.py --device cpu) but this machine has {available / GiB:.1f} GiB free; "
+                          f"simulate a larger world size, a smaller micro-batch or activation checkpointing")
+    return need
+
+
+def simulate(cfg: Config, world_size: int, rank: int, run_dir: Path, seed: Optional[int] = None) -> dict:
+    """Train `cfg` for `data.total_steps` steps as rank `rank` of `world_size`; returns (and prints) the summary."""
+    predicted = check_fits(cfg, world_size, rank)
+    cfg.ckpt.enable_save_ckpt = False  # nothing to save: the other ranks' shards do not exist
+    cfg.ckpt.auto_resume = False
+    cfg.ckpt.load_ckpt_info = None
+    cfg.monitor.memory_report = True
+    launch = init_simulated(world_size, rank)
+    trainer = build_trainer(cfg, launch, run_dir, seed=seed)
+    trainer.loop = dataclasses.replace(trainer.loop, simulated=True)
+    trainer.train()
+    held = sum((p.to_local() if isinstance(p, DTensor) else p).numel() for p in trainer.model.parameters())
+    memory = next(cb for cb in trainer.callbacks.callbacks if type(cb).__name__ == "MemoryProfiler")
+    peak = int(memory.peak_record["peak_bytes"]) if memory.peak_record else 0
+    summary = {"world_size": world_size, "rank": rank, "layout": trainer.dims.describe(),
+               "parameters_held": held, "peak_bytes": peak, "estimated_bytes": int(predicted),
+               "peak_over_estimate": peak / predicted if predicted else None, "steps": trainer.state.batch_count}
+    (run_dir / "simulate.json").write_text(json.dumps(summary, indent=1))
+    print(f"simulated rank {rank} of {world_size} ({summary['layout']}), {summary['steps']} steps on this CPU:\n"
+          f"  parameters held   {held:,}\n"
+          f"  peak memory       {peak / GiB:.2f} GiB (memory_report.json)\n"
+          f"  estimator (cpu)   {predicted / GiB:.2f} GiB\n"
+          f"  peak / estimate   {summary['peak_over_estimate']:.2f}")
+    return summary
