@@ -11,11 +11,16 @@ internlm_core (this code base): parameters, gradients and AdamW's two moments ar
     saved for the input gradient), so the matrices of non-recomputed layers cost 2 more bytes per parameter,
     unsharded. FSDP holds the gathered parameters of the running and the prefetched block, the gathered
     gradient of one block before its reduce-scatter, and the root's (embedding, final norm, output) all step.
+    Gradient accumulation (numerics' Kernels.grad_reduce): sharded data parallel reduce-scatters every
+    micro-batch, so only the sharded fp32 gradients accumulate; where gradients are reduced once per step
+    (pipeline parallel's schedule, or `grad_reduce="step"`), FSDP keeps every parameter's gradient unsharded in
+    fp32 from the first micro-batch to the last: 4 * (1 - 1/zero1) more bytes per parameter ("accumulated
+    gradients"; 23.9 GiB for 7B on 8 GPUs with zero1=8).
 internlm: InternLM's hybrid ZeRO-1 with bf16 parameters and gradients on every data-parallel rank (2 + 2
     bytes per parameter) and the fp32 master copy plus AdamW moments sharded over `zero1` (12 bytes /
     zero1); no weight copies (the model computes in bf16), fused RMSNorm (input saved once).
 
-Activations are counted tensor by tensor as the backward graph of `internlm_core.model.transformer` keeps
+Activations are counted tensor by tensor as the backward graph of the InternLM module keeps
 them (checked against `torch.autograd.graph.saved_tensors_hooks` in tests/unit/test_estimate.py):
 
     per layer and token, h hidden, kv key/value width, f FFN width, H heads, s seq_len, a compute bytes,
@@ -26,7 +31,7 @@ them (checked against `torch.autograd.graph.saved_tensors_hooks` in tests/unit/t
                                                    input), 2 when the compute dtype is the parameter dtype
       attention          a * (2h + 2kv) + 4H       q, k, v, output, log-sum-exp (flash-attn, SDPA)
       document mask      a * s                     SDPA with a packed-document mask only (not flash-attn)
-      blocked attention  a * (2h + 2kv) + p * H * w  CPU (`blocked_causal_attention`): q, k, v, output and the
+      cpu_blocked        a * (2h + 2kv) + p * H * w  CPU (`blocked_causal_attention`): q, k, v, output and the
                                                    probabilities, w keys per query on average (about s/2 + s/8
                                                    for blocks of s/4), p = 4 (fp32 softmax) + 2 under bf16
                                                    autocast (their 16-bit copy); packed documents add one
@@ -34,8 +39,10 @@ them (checked against `torch.autograd.graph.saved_tensors_hooks` in tests/unit/t
       SwiGLU FFN         4 * a * f                 w1 x, silu(w1 x), w2 x, their product
     a recomputed (checkpointed) layer keeps only its input (r * h), and one layer's worth is rebuilt at a
     time in backward. Head (last pipeline stage), per token: the final norm, the output layer's input, the
-    logits (a * V, held by the trainer through backward) and their fp32 log-softmax (4V); the loss's backward
-    briefly needs two more fp32 V-wide buffers. Tensor parallel divides head- and FFN-sharded activations
+    logits (a * V, held by the trainer through backward) and what the cross entropy kernel keeps: torch's
+    (and vocab_parallel's) fp32 log-softmax (4V), with two more fp32 V-wide buffers in its backward; the fused
+    chunked kernel's precomputed gradient (a * V), scaled in place in backward; flash-attn's nothing (its
+    backward overwrites the logits). Tensor parallel divides head- and FFN-sharded activations
     and vocabulary-wide ones by tp (norm-side ones too with sequence parallel). Pipeline: a stage holds
     L / pp layers and, under 1F1B, up to min(pp, micro_num) micro-batches in flight (the first stage).
 
@@ -50,12 +57,14 @@ from typing import Optional
 
 from .config import Config
 from .model import ModelArgs, analytic_parameter_count, flops_per_token
+from .numerics.kernels import select_attention, select_cross_entropy, select_grad_reduce
+from .numerics.precision import resolve_precision
+from .utils.accelerators import WORKING
 
 GiB = 1024**3
 PRECISIONS = ("internlm_core", "internlm")
 DEFAULT_PEAK_TFLOPS = 989.0   # H100/H200 SXM dense bf16
 DEFAULT_MFU = 0.5
-_COMPUTE_BYTES = {"torch.float32": 4, "torch.tf32": 4, "torch.bfloat16": 2, "torch.float16": 2}
 
 
 @dataclass
@@ -95,14 +104,17 @@ class Memory:
     optimizer: float = 0.0
     weight_copies: float = 0.0   # 16-bit casts saved by autocast for backward
     fsdp_gathered: float = 0.0   # unsharded parameters / gradients FSDP holds at the peak
+    accumulated_gradients: float = 0.0  # unsharded fp32 gradients kept between micro-batches (beyond the shard)
     activations: float = 0.0     # tensors saved for backward (all layers, in-flight micro-batches)
     loss_peak: float = 0.0       # transient buffers of the loss backward (logits gradient)
     stage: str = ""
 
-    ORDER = ("parameters", "gradients", "optimizer", "weight_copies", "fsdp_gathered", "activations", "loss_peak")
+    ORDER = ("parameters", "gradients", "optimizer", "weight_copies", "fsdp_gathered", "accumulated_gradients",
+             "activations", "loss_peak")
     LABELS = {"parameters": "parameters", "gradients": "gradients", "optimizer": "optimizer state",
               "weight_copies": "16-bit weight copies", "fsdp_gathered": "FSDP gathered",
-              "activations": "activations", "loss_peak": "loss backward peak"}
+              "accumulated_gradients": "accumulated gradients", "activations": "activations",
+              "loss_peak": "loss backward peak"}
 
     @property
     def states(self) -> float:
@@ -119,6 +131,8 @@ class Estimate:
     layout: Layout
     precision: str
     attention: str
+    cross_entropy: str
+    grad_reduce: str
     parameters: int
     nonembedding_parameters: int
     model_flops_per_token: float
@@ -150,7 +164,7 @@ def _bytes_per_token_per_layer(a: ModelArgs, seq_len: int, comp: int, resid: int
                                linear_inputs: int, attention: str, mask: bool, tp: int, sp: bool) -> float:
     h, kv, f, H = a.hidden_size, a.num_kv_heads * a.head_dim, a.ffn_width, a.num_heads
     norm_side = 2 * (norm_tensors * resid * h + 8) + linear_inputs * comp * h
-    if attention == "blocked":
+    if attention == "cpu_blocked":
         probs = (4 + (2 if comp == 2 else 0)) * H * keys_per_query(seq_len)
     else:
         probs = 4 * H  # the log-sum-exp
@@ -161,12 +175,13 @@ def _bytes_per_token_per_layer(a: ModelArgs, seq_len: int, comp: int, resid: int
 def estimate(cfg: Config, world_size: int = 1, precision: str = "internlm_core", mfu: float = DEFAULT_MFU,
              peak_tflops: float = DEFAULT_PEAK_TFLOPS, attention: Optional[str] = None,
              device_memory_gib: Optional[float] = None, args: Optional[ModelArgs] = None,
-             device: str = "cuda") -> Estimate:
+             device: str = "cuda", grad_reduce: Optional[str] = None) -> Estimate:
     """The figures of `cfg` on `world_size` devices of type `device` ("cuda" or "cpu").
 
-    attention: "flash" (flash-attn: no mask), "sdpa" (SDPA with a packed-document mask) or "blocked" (the CPU
-    path: matmuls, probabilities kept); default blocked on CPU, else flash when the config asks for flash-attn
-    (`model.use_flash_attn` / `attn_backend`), else sdpa.
+    The kernels are those numerics.select_kernels would choose on such devices with requirements-gpu.txt
+    installed and working (flash-attn on CUDA for 16-bit compute, cpu_blocked on CPU, ...). attention: override
+    with "flash" (no mask), "sdpa" (a packed-document mask) or "cpu_blocked" (probabilities kept). grad_reduce:
+    override when FSDP reduces gradients, "micro_batch" or "step" (which keeps them unsharded in between).
     """
     if precision not in PRECISIONS:
         raise ValueError(f"precision {precision!r}: expected one of {PRECISIONS}")
@@ -175,13 +190,15 @@ def estimate(cfg: Config, world_size: int = 1, precision: str = "internlm_core",
         args = model_args_from_config(cfg, "cuda", quiet=True)
     m, d = cfg.model, cfg.data
     lay = Layout.from_config(cfg, world_size)
-    if attention is None and device == "cpu":
-        attention = "blocked"
+    numerics = resolve_precision(m.dtype, device)
     if attention is None:
-        attention = "flash" if (m.attn_backend == "flash" or (m.attn_backend == "auto" and m.use_flash_attn)) \
-            else "sdpa"
+        attention = select_attention(m.attn_backend, m.use_flash_attn, numerics, device, WORKING, [], {})
+    cross_entropy = select_cross_entropy(device, cfg.loss.label_smoothing, lay.tp > 1 and m.parallel_output,
+                                         m.compile, WORKING, [], {})
+    if grad_reduce is None:
+        grad_reduce = select_grad_reduce(lay.dp, lay.dp_shard, lay.pp, d.micro_num, [])
     mask = attention == "sdpa" and not d.pack_sample_into_one
-    comp = _COMPUTE_BYTES[m.dtype]
+    comp = numerics.compute_dtype.itemsize
     h, V, L = args.hidden_size, args.vocab_size, args.num_layers
     kv = args.num_kv_heads * args.head_dim
     tokens_mb = d.micro_bsz * d.seq_len  # tokens of one micro-batch on one dp rank
@@ -208,17 +225,23 @@ def estimate(cfg: Config, world_size: int = 1, precision: str = "internlm_core",
     per_layer_tok = _bytes_per_token_per_layer(args, d.seq_len, comp, resid, norm_tensors, linear_inputs, attention,
                                                mask, lay.tp, lay.sequence_parallel)
     ckpt_layer_tok = resid * h / (lay.tp if lay.sequence_parallel else 1)
-    doc_masks = attention == "blocked" and not d.pack_sample_into_one  # packed documents: the CPU block masks
+    doc_masks = attention == "cpu_blocked" and not d.pack_sample_into_one  # packed documents: the block masks
     # token ids, rotary cos/sin, bool document mask
     shared_tok = 8 + 8 * args.head_dim + (d.seq_len if mask else keys_per_query(d.seq_len) if doc_masks else 0)
     layers_act = (L_stage - n_ckpt) * per_layer_tok + n_ckpt * ckpt_layer_tok + (per_layer_tok if n_ckpt else 0)
     first_stage_act = tokens_mb * in_flight * (layers_act + shared_tok)
-    # flash-attn's cross entropy (used with flash-attn) keeps no fp32 log-softmax; torch's keeps one (4V)
-    flash_ce = attention == "flash"
+    # the cross entropy: torch's keeps the fp32 log-softmax (4V) and needs 8V more in backward; the fused kernel
+    # keeps its precomputed gradient (a*V), scaled in place (fp32 under a factor other than 1: a new a*V);
+    # flash-attn's keeps nothing (its in-place backward overwrites the logits)
+    fused = cross_entropy.startswith("fused")
+    ce_kept = 0 if cross_entropy == "flash" else comp * V if fused else 4 * V
     head_tok = (norm_tensors * resid * h + 8) / (lay.tp if lay.sequence_parallel else 1) + comp * h \
-        + (comp * V + (0 if flash_ce else 4 * V)) / lay.tp
+        + (comp * V + ce_kept) / lay.tp
     last_stage_act = tokens_mb * (layers_act + shared_tok + head_tok)
-    loss_peak = tokens_mb * (comp if flash_ce else 8) * V / lay.tp
+    ce_peak = 8 * V if cross_entropy in ("torch", "vocab_parallel") else \
+        comp * V if fused and comp == 4 and d.micro_num > 1 else 0
+    loss_peak = tokens_mb * ce_peak / lay.tp
+    keeps_unsharded = precision == "internlm_core" and grad_reduce == "step" and lay.dp_shard > 1 and d.micro_num > 1
 
     def stage_memory(params_here: float, act: float, with_head: bool, name: str) -> Memory:
         mem = Memory(stage=name)
@@ -238,6 +261,8 @@ def estimate(cfg: Config, world_size: int = 1, precision: str = "internlm_core",
                 else:
                     gathered = 4 * (2 * layer_params + root) + 4 * layer_params
                 mem.fsdp_gathered = gathered / lay.tp * (1 - 1 / lay.dp_shard)
+            if keeps_unsharded:  # every gradient unsharded in fp32 until the last micro-batch's reduction
+                mem.accumulated_gradients = 4 * per_tp * (1 - 1 / lay.dp_shard)
         else:
             mem.parameters = 2 * per_tp
             mem.gradients = 2 * per_tp
@@ -267,13 +292,23 @@ def estimate(cfg: Config, world_size: int = 1, precision: str = "internlm_core",
         notes.append(f"precision internlm: bf16 parameters + gradients on every rank (4 B/parameter), fp32 master "
                      f"weights + AdamW moments (12 B/parameter) sharded over zero1 ({lay.dp_shard})")
     notes.append(f"attention {attention}" + (" with a packed-document mask per layer (a*s bytes per token)" if mask
-                                             else " (probabilities kept for backward)" if attention == "blocked"
-                                             else " (no attention matrix kept)"))
+                                             else " (probabilities kept for backward)" if attention == "cpu_blocked"
+                                             else " (no attention matrix kept)") + f"; cross entropy {cross_entropy}")
+    if precision == "internlm_core" and lay.dp_shard > 1 and d.micro_num > 1:
+        if grad_reduce == "micro_batch":
+            kept = 4 * total / lay.tp * (1 - 1 / lay.dp_shard)
+            notes.append(f"gradient accumulation: reduce-scatter after each of the {d.micro_num} micro-batches, so only "
+                         f"the sharded fp32 gradients accumulate; reducing once per step would keep them unsharded, "
+                         f"{kept / GiB:.1f} GiB more (--grad-reduce step)")
+        else:
+            notes.append(f"gradient accumulation: reduced once per step, every gradient stays unsharded in fp32 over "
+                         f"the {d.micro_num} micro-batches ({mem.accumulated_gradients / GiB:.1f} GiB beyond the shard)")
     if n_ckpt:
         notes.append(f"activation checkpointing: {n_ckpt} of {L_stage} layers per stage keep only their input")
     if lay.pp > 1:
         notes.append(f"pipeline: busiest stage '{mem.stage}', {in_flight:g} micro-batch(es) in flight on the first")
-    return Estimate(cfg=cfg, layout=lay, precision=precision, attention=attention, parameters=total,
+    return Estimate(cfg=cfg, layout=lay, precision=precision, attention=attention, cross_entropy=cross_entropy,
+                    grad_reduce=grad_reduce, parameters=total,
                     nonembedding_parameters=total - embed, model_flops_per_token=model_fpt,
                     hardware_flops_per_token=hw_fpt, tokens_per_step=tokens_mb * d.micro_num * lay.dp,
                     memory=mem, mfu=mfu, peak_flops=peak_tflops * 1e12,
@@ -296,10 +331,15 @@ def format_estimate(e: Estimate, other: Optional[Estimate] = None) -> str:
         f"memory per device ({cfg.model.dtype.split('.')[-1]}, precision {e.precision}"
         + (f", stage {mem.stage}" if lay.pp > 1 else "") + "):",
     ]
+    accumulating = e.precision == "internlm_core" and lay.dp_shard > 1 and d.micro_num > 1
     for k in Memory.ORDER:
         v = getattr(mem, k)
-        if v or k in ("parameters", "gradients", "optimizer", "activations"):
-            lines.append(f"  {Memory.LABELS[k]:<22} {v / GiB:9.2f} GiB")
+        if v or k in ("parameters", "gradients", "optimizer", "activations") or \
+                (k == "accumulated_gradients" and accumulating):
+            why = {"micro_batch": "  (0: reduce-scattered every micro-batch)",
+                   "step": "  (unsharded fp32 until the last micro-batch)"}[e.grad_reduce] \
+                if k == "accumulated_gradients" else ""
+            lines.append(f"  {Memory.LABELS[k]:<22} {v / GiB:9.2f} GiB{why}")
     fits = ""
     if e.device_memory:
         fits = (f"  (fits in {e.device_memory / GiB:g} GiB)" if mem.total <= e.device_memory

@@ -13,7 +13,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 
-KERNELS = ("flash", "fused_chunked", "fused_chunked_compiled", "torch", "vocab_parallel")
+from .numerics.kernels import CROSS_ENTROPY as KERNELS
 
 # Bytes of fp32 temporaries per chunk of the fused cross entropy. CPU: a chunk (rows * V * 4 bytes) stays in
 # the caches instead of streaming [N, V] fp32 tensors through memory several times. CUDA: large enough that

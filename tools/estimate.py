@@ -6,8 +6,8 @@
 
 Memory is the peak on the busiest device: parameters, gradients and optimizer state under the layout
 (tensor / pipeline / zero1 sharding), 16-bit weight copies kept by autocast, what FSDP holds gathered, the
-activations of micro_bsz x seq_len tokens (activation checkpointing, pipeline micro-batches in flight) and
-the loss's backward. `--precision internlm_core` (default) counts this code base (fp32 parameters + autocast);
+activations of micro_bsz x seq_len tokens (activation checkpointing, pipeline micro-batches in flight), the
+loss's backward, and the gradients FSDP keeps unsharded between micro-batches where it reduces once per step. `--precision internlm_core` (default) counts this code base (fp32 parameters + autocast);
 `--precision internlm` counts InternLM's bf16 parameters with fp32 master weights (hybrid ZeRO-1). The time
 per step is the model FLOPs of one step at the stated MFU of the stated peak. See
 internlm_core/utils/estimate.py for every term.
@@ -42,9 +42,12 @@ def parse_args(argv=None) -> argparse.Namespace:
                         f"H100/H200 dense bf16; A100: 312)")
     p.add_argument("--gpu-memory-gib", type=float, default=80.0,
                    help="device memory to check the total against (default 80; 0: no check)")
-    p.add_argument("--attention", choices=["flash", "sdpa", "blocked"], default=None,
-                   help="attention kernel (default: blocked matmuls on CPU, else flash when the config uses "
-                        "flash-attn, else sdpa with masks)")
+    p.add_argument("--attention", choices=["flash", "sdpa", "cpu_blocked"], default=None,
+                   help="attention kernel (default: what the trainer chooses with flash-attn installed: flash for "
+                        "bf16/fp16 when the config uses flash-attn, else sdpa with document masks)")
+    p.add_argument("--grad-reduce", choices=["micro_batch", "step"], default=None,
+                   help="when FSDP reduces gradients (default: the trainer's choice, every micro-batch under sharded "
+                        "data parallel without pipeline; 'step' keeps them unsharded in fp32 between micro-batches)")
     p.add_argument("--json", action="store_true", help="print the figures as JSON instead of text")
     return p.parse_args(argv)
 
@@ -60,7 +63,7 @@ def main(argv=None) -> int:
     if not 0 < args.mfu <= 1:
         raise ConfigError(f"--mfu: expected a fraction in (0, 1], got {args.mfu}")
     cfg = load_config(args.config, args.set, world_size=args.gpus)
-    kw = dict(mfu=args.mfu, peak_tflops=args.peak_tflops, attention=args.attention,
+    kw = dict(mfu=args.mfu, peak_tflops=args.peak_tflops, attention=args.attention, grad_reduce=args.grad_reduce,
               device_memory_gib=args.gpu_memory_gib or None)
     e = estimate(cfg, args.gpus, precision=args.precision, **kw)
     other = estimate(cfg, args.gpus, precision="internlm" if args.precision == "internlm_core" else "internlm_core",
@@ -70,6 +73,7 @@ def main(argv=None) -> int:
         mem["total"] = e.memory.total / GiB
         print(json.dumps({
             "config": args.config, "gpus": args.gpus, "layout": e.layout.describe(), "precision": e.precision,
+            "attention": e.attention, "cross_entropy": e.cross_entropy, "grad_reduce": e.grad_reduce,
             "parameters": e.parameters, "model_flops_per_token": e.model_flops_per_token,
             "hardware_flops_per_token": e.hardware_flops_per_token, "tokens_per_step": e.tokens_per_step,
             "memory_gib": mem, "step_time_s": e.step_time, "tokens_per_device_per_second":

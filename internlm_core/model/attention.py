@@ -194,17 +194,18 @@ def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: Pac
     return out.view(B, T, H, D).to(dtype)
 
 
-def sdpa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Optional[torch.Tensor]) -> torch.Tensor:
+def sdpa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Optional[torch.Tensor],
+                   repeat_kv: Optional[bool] = None) -> torch.Tensor:
     """torch's SDPA on [N, H, T, D] / [N, Hkv, T, D], causal or under a document mask.
 
     Grouped-query attention with a mask: CUDA's memory-efficient kernel takes a mask but not fewer k/v heads,
     and flash takes no mask, so `enable_gqa` would fall to the math kernel (which keeps the fp32 probabilities,
-    [N, H, T, T], for backward); k/v are repeated to the query heads there instead. CPU's flash kernel takes
-    both, and repeating would only keep larger k/v."""
+    [N, H, T, T], for backward); k/v are repeated to the query heads there instead (`repeat_kv`, default: on
+    CUDA). CPU's flash kernel takes both, and repeating would only keep larger k/v."""
     gqa = k.shape[1] != q.shape[1]
     if mask is None:
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
-    if gqa and q.is_cuda:
+    if gqa and (q.is_cuda if repeat_kv is None else repeat_kv):
         rep = q.shape[1] // k.shape[1]
         k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
         gqa = False

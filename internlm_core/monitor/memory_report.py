@@ -15,8 +15,11 @@ Breakdown (of the step with the highest peak)
     local shard; tensors sharing storage count once). Gradients are measured from `param.grad`; if the
     trainer has already freed them when the step ends, they are estimated as the bytes of the trainable
     parameters (same shapes and dtypes) and the report says "estimated".
-    activations (estimate) = peak - overhead - parameters - gradients - optimizer state: whatever else
-    the step held at its peak (activations kept for backward, temporaries, communication buffers).
+    accumulated gradients: when FSDP reduces gradients once per step (numerics' Kernels.grad_reduce "step",
+    e.g. under pipeline parallel) with sharded data parallel, it keeps every parameter's gradient unsharded
+    from the first micro-batch to the last: the bytes beyond the shard, (dp_shard - 1) x the local gradients.
+    activations (estimate) = peak - overhead - parameters - gradients - accumulated gradients - optimizer
+    state: whatever else the step held at its peak (activations kept for backward, temporaries, buffers).
     overhead: CUDA 0 (the allocator counts tensors only); CPU the resident memory at train start not
     held by those tensors (interpreter, libraries, data loader), measured once at train start.
 """
@@ -64,6 +67,7 @@ class MemoryProfiler(TrainerCallback):
         self.last_steps: deque = deque(maxlen=keep_steps)
         self.peak_record: Optional[dict] = None
         self.overhead = 0
+        self.accumulated = 0  # unsharded gradients kept between micro-batches (see the module docstring)
         self.peak_method = ""
         self._can_reset_rss = False
 
@@ -117,9 +121,11 @@ class MemoryProfiler(TrainerCallback):
         if grads == 0 and self.model is not None:
             grads = trainable_parameter_bytes(self.model)
             grads_method = "estimated (freed at step end; bytes of the trainable parameters)"
-        activations = max(0, peak - self.overhead - held["parameters"] - grads - held["optimizer_state"])
+        activations = max(0, peak - self.overhead - held["parameters"] - grads - self.accumulated
+                          - held["optimizer_state"])
         rec = {"step": step, "peak_bytes": peak, "parameters": held["parameters"], "gradients": grads,
-               "gradients_method": grads_method, "optimizer_state": held["optimizer_state"],
+               "gradients_method": grads_method, "accumulated_gradients": self.accumulated,
+               "optimizer_state": held["optimizer_state"],
                "activations_estimate": activations, "overhead": self.overhead}
         if reserved is not None:
             rec["peak_reserved_bytes"] = reserved
@@ -136,7 +142,7 @@ class MemoryProfiler(TrainerCallback):
             "rank": self.rank,
             "device": str(self.device),
             "peak_method": self.peak_method,
-            "activations_method": "peak - overhead - parameters - gradients - optimizer_state",
+            "activations_method": "peak - overhead - parameters - gradients - accumulated_gradients - optimizer_state",
             "overhead_method": ("0: the CUDA allocator counts tensors only" if self._is_cuda() else
                                 "resident memory at train start not held by parameters/gradients/optimizer state"),
             "peak": self.peak_record,
@@ -164,6 +170,7 @@ class MemoryProfiler(TrainerCallback):
             + (f" (reserved {fmt_bytes(p['peak_reserved_bytes'])})" if "peak_reserved_bytes" in p else ""),
             f"  parameters        {fmt_bytes(p['parameters']):>12}",
             f"  gradients         {fmt_bytes(p['gradients']):>12}   {p['gradients_method']}",
+            f"  accumulated grads {fmt_bytes(p.get('accumulated_gradients', 0)):>12}   unsharded between micro-batches",
             f"  optimizer state   {fmt_bytes(p['optimizer_state']):>12}",
             f"  activations (est) {fmt_bytes(p['activations_estimate']):>12}   {rep['activations_method']}",
             f"  overhead          {fmt_bytes(p['overhead']):>12}   {rep['overhead_method']}",
@@ -177,6 +184,10 @@ class MemoryProfiler(TrainerCallback):
     # -- trainer callback ------------------------------------------------------------------------------
     def on_train_start(self, trainer: Any) -> None:
         self.start(getattr(trainer, "model", None), getattr(trainer, "optimizer", None))
+        kernels, dims, loop = (getattr(trainer, k, None) for k in ("kernels", "dims", "loop"))
+        if (self.model is not None and kernels is not None and kernels.grad_reduce == "step" and dims is not None
+                and dims.dp_shard > 1 and loop is not None and loop.micro_num > 1):
+            self.accumulated = trainable_parameter_bytes(self.model) * (dims.dp_shard - 1)
 
     def on_step_end(self, trainer: Any, metrics: dict) -> None:
         step = int(metrics["step"])

@@ -10,11 +10,10 @@ from torch.distributed.tensor import DTensor
 
 from ..config.schema import AdamConfig
 from ..errors import ConfigError
+from ..numerics.kernels import OPTIMIZER as IMPLEMENTATIONS
 from ..utils.logging import get_logger
 
 logger = get_logger(__name__)
-
-IMPLEMENTATIONS = ("apex", "fused", "foreach")
 
 
 def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:

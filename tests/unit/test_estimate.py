@@ -17,7 +17,7 @@ from tests.helpers.launch import ROOT, env, run_train
 # ---- activations: the estimate's terms against what autograd really keeps ------------------------------------
 
 
-def saved_bytes(cfg, dtype, cu_seqlens):
+def saved_bytes(cfg, dtype, cu_seqlens, cross_entropy):
     """Bytes of every distinct storage saved for backward (parameters excluded) by one forward + loss."""
     torch.manual_seed(0)
     model = build_model(cfg)
@@ -35,7 +35,7 @@ def saved_bytes(cfg, dtype, cu_seqlens):
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         with ctx:
             logits = model(ids, None, cu_seqlens)
-            FlashGPTLMLoss(use_flash=False)(logits, ids)
+            FlashGPTLMLoss(cross_entropy)(logits, ids)
     return sum(seen.values()), logits.numel() * logits.element_size()
 
 
@@ -44,9 +44,11 @@ def saved_bytes(cfg, dtype, cu_seqlens):
 def test_activation_terms_match_saved_tensors(model_type, extra, dtype):
     cfg = load_config("configs/tiny.py", [f"model_type={model_type}", "model.num_layers=3", "model.vocab_size=512",
                                           f"model.dtype={dtype}", *extra])
-    cu = torch.tensor([0, 100, 256, 300, 512], dtype=torch.int32)  # packed documents: SDPA with a mask
-    measured, held_logits = saved_bytes(cfg, getattr(torch, dtype.split(".")[1]), cu)
-    mem = estimate(cfg, 1, device="cpu").memory
+    cu = torch.tensor([0, 100, 256, 300, 512], dtype=torch.int32)  # packed documents: per-block masks
+    e = estimate(cfg, 1, device="cpu")
+    assert (e.attention, e.cross_entropy) == ("cpu_blocked", "fused_chunked")  # what a CPU run chooses
+    measured, held_logits = saved_bytes(cfg, getattr(torch, dtype.split(".")[1]), cu, e.cross_entropy)
+    mem = e.memory
     # the logits are held by the trainer through backward, not saved by autograd
     predicted = mem.activations - held_logits + mem.weight_copies
     assert abs(predicted / measured - 1) < 0.05, (predicted, measured)
@@ -87,6 +89,43 @@ def test_7b_internlm_published_configs_fit_their_80gb_gpus():
     assert big.memory.total > 80 * GiB
 
 
+def test_7b_on_8_gpus_counts_what_gradient_accumulation_keeps():
+    """configs/7B.py on 8 GPUs (zero1=8, micro_num 4): the trainer reduce-scatters every micro-batch, so only the
+    sharded fp32 gradients accumulate; reducing once per step would keep 4 * (1 - 1/8) bytes per parameter more
+    (23.9 GiB), which a pipeline layout (whose schedule accumulates) does keep."""
+    cfg = load_config("configs/7B.py")
+    e = estimate(cfg, 8)
+    assert e.grad_reduce == "micro_batch" and e.memory.accumulated_gradients == 0
+    kept = estimate(cfg, 8, grad_reduce="step")
+    assert kept.memory.accumulated_gradients == 4 * 7_321_948_160 * 7 / 8
+    assert kept.memory.total - e.memory.total == pytest.approx(23.87 * GiB, rel=1e-3)
+    assert kept.memory.total > 79 * GiB  # the peak this layout would have had: about 80 GiB, not 56
+    text = format_estimate(e)
+    assert "accumulated gradients       0.00 GiB  (0: reduce-scattered every micro-batch)" in text
+    assert "reducing once per step would keep them unsharded, 23.9 GiB more" in text
+    assert "accumulated gradients      23.87 GiB  (unsharded fp32 until the last micro-batch)" in format_estimate(kept)
+    pp = estimate(load_config("configs/7B.py", ["parallel.pipeline=2", "parallel.zero1=4"]), 8)
+    assert pp.grad_reduce == "step" and pp.memory.accumulated_gradients > 0
+    single = estimate(load_config("configs/7B.py", ["parallel.zero1=1"]), 8)  # replicated: nothing beyond the shard
+    assert single.grad_reduce == "step" and single.memory.accumulated_gradients == 0
+
+
+def test_cross_entropy_kernels_keep_what_they_keep():
+    """flash-attn's loss overwrites the logits in backward; torch's keeps an fp32 log-softmax and needs 8V more."""
+    cfg = load_config("configs/7B.py")
+    flash = estimate(cfg, 8)
+    smoothed = estimate(load_config("configs/7B.py", ["loss.label_smoothing=0.1", "model.use_flash_attn=False"]), 8)
+    assert flash.cross_entropy == "flash" and flash.memory.loss_peak == 0
+    tokens, V = 2 * 2048, 103168
+    assert smoothed.cross_entropy == "flash"  # flash-attn's loss has label smoothing too
+    cpu = estimate(cfg, 1, device="cpu")
+    assert cpu.cross_entropy == "fused_chunked" and cpu.memory.loss_peak == 0
+    smoothing_cpu = estimate(load_config("configs/7B.py", ["loss.label_smoothing=0.1"]), 1, device="cpu")
+    assert smoothing_cpu.cross_entropy == "torch" and smoothing_cpu.memory.loss_peak == tokens * 8 * V
+    fp32 = estimate(load_config("configs/7B.py", ["model.dtype=torch.float32"]), 8)
+    assert fp32.attention == "sdpa"  # fp32 never goes to flash-attn
+
+
 def test_layout_divides_what_it_shards():
     cfg = load_config("configs/7B.py", ["parallel.zero1=-1"])
     m64, m8 = estimate(cfg, 64).memory, estimate(cfg, 8).memory
@@ -98,7 +137,8 @@ def test_layout_divides_what_it_shards():
     assert 0.55 * m8.activations < tp2.activations < 0.75 * m8.activations
     sp = estimate(load_config("configs/7B.py", ["parallel.zero1=-1", "parallel.tensor=2",
                                                 "parallel.sequence_parallel=True"]), 8).memory
-    assert sp.activations == pytest.approx(m8.activations / 2, rel=0.02)
+    # ... and the vocabulary-parallel loss keeps its fp32 log-softmax shard, where flash-attn's keeps nothing
+    assert sp.activations == pytest.approx(m8.activations / 2 + 2 * 2048 * 4 * 103168 / 2, rel=0.02)
     pp = estimate(load_config("configs/7B.py", ["parallel.zero1=1", "parallel.pipeline=4"]), 4)
     assert pp.memory.stage in ("first", "last") and pp.memory.parameters < m8.parameters * 8 / 4 * 1.2
     ck = estimate(load_config("configs/7B.py", ["model.checkpoint=True"]), 8).memory
@@ -133,10 +173,11 @@ def test_dry_run_prints_the_estimate():
 
 
 def test_format_mentions_every_nonzero_term():
-    e = estimate(load_config("configs/7B.py"), 8, device_memory_gib=40)
+    e = estimate(load_config("configs/7B.py", ["loss.label_smoothing=0.1"]), 8, device_memory_gib=40,
+                 grad_reduce="step", attention="sdpa")
     text = format_estimate(e)
     for label in ("parameters", "gradients", "optimizer state", "16-bit weight copies", "FSDP gathered",
-                  "activations", "loss backward peak"):
+                  "accumulated gradients", "activations"):
         assert label in text, label
     assert "does NOT fit in 40 GiB" in text
 
