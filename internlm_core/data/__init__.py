@@ -26,7 +26,7 @@ __all__ = sorted(_LAZY) + [
 
 def __getattr__(name):
     if name in _LAZY:
-        from . import loader
+        from . import batches, loader
 
-        return getattr(loader, name)
+        return getattr(batches if name in ("Batch", "collate") else loader, name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

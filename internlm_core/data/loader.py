@@ -16,12 +16,10 @@ no gaps) and works with another `dp_size`. The dataset is never too small: a ste
 from __future__ import annotations
 
 import os
-import queue
 import threading
-from typing import Any, Dict, Iterable, Iterator, List, Optional, TypedDict
+from typing import Any, Dict, Iterable, Iterator, List, Optional
 
 import numpy as np
-import torch
 
 from internlm_core.errors import DataError
 from internlm_core.utils.logging import get_logger
@@ -29,98 +27,14 @@ from internlm_core.utils.logging import get_logger
 from .dataset import DocTable, build_valid_tables, data_seed, dummy_table, list_folder, open_files
 from .index import EpochSource, Stream, build_epoch_in_memory, default_cache_root, rows_of, scan_table
 from .mixture import Mixture
+from .streaming import build_streaming_loader
+from .batches import Batch, Prefetch, collate, row_shape
 from .packing import Packer, RowShape
 
 logger = get_logger(__name__)
 
 
-class Batch(TypedDict):
-    """One optimizer step's data for one data-parallel rank (see internlm_core.data.packing)."""
-
-    input_ids: torch.Tensor      # int64 [micro_num, packed_length]
-    labels: torch.Tensor         # int64 [micro_num, packed_length], shifted, -100 = no loss
-    position_ids: torch.Tensor   # int64 [micro_num, packed_length]
-    type_ids: torch.Tensor       # int64 [micro_num, packed_length]
-    cu_seqlens: List[torch.Tensor]  # micro_num int32 tensors, 0 ... packed_length
-    type_names: Dict[int, str]
-
-
-def collate(rows: list, type_names: dict) -> Batch:
-    return Batch(
-        input_ids=torch.from_numpy(np.stack([r["input_ids"] for r in rows])),
-        labels=torch.from_numpy(np.stack([r["labels"] for r in rows])),
-        position_ids=torch.from_numpy(np.stack([r["position_ids"] for r in rows])),
-        type_ids=torch.from_numpy(np.stack([r["type_ids"] for r in rows])),
-        cu_seqlens=[torch.from_numpy(np.ascontiguousarray(r["cu_seqlens"], dtype=np.int32)) for r in rows],
-        type_names=dict(type_names),
-    )
-
-
-class _Prefetch:
-    """Iteration over `batch_at(consumed)`, optionally prepared ahead by a background thread."""
-
-    consumed: int
-    prefetch: int
-
-    def batch_at(self, consumed: int) -> Batch:
-        raise NotImplementedError
-
-    @property
-    def rows_per_step(self) -> int:
-        return self.micro_num * self.dp_size
-
-    def __iter__(self) -> Iterator[Batch]:
-        if self.prefetch <= 0:
-            while True:
-                batch = self.batch_at(self.consumed)
-                self.consumed += self.rows_per_step
-                yield batch
-        else:
-            yield from self._prefetching()
-
-    def _prefetching(self) -> Iterator[Batch]:
-        """Batches prepared by a background thread; restarts it if `load_state_dict` moved the position."""
-        while True:
-            start = self.consumed
-            q: "queue.Queue" = queue.Queue(maxsize=self.prefetch)
-            stop = threading.Event()
-
-            def put(item, q=q, stop=stop) -> bool:
-                while not stop.is_set():
-                    try:
-                        q.put(item, timeout=0.1)
-                        return True
-                    except queue.Full:
-                        pass
-                return False
-
-            def work(start=start, put=put, stop=stop):
-                c = start
-                try:
-                    while not stop.is_set():
-                        if not put((c, self.batch_at(c))):
-                            return
-                        c += self.rows_per_step
-                except BaseException as e:  # handed to the consumer, re-raised there
-                    put((None, e))
-
-            t = threading.Thread(target=work, name="internlm_core-data", daemon=True)
-            t.start()
-            try:
-                expected = start
-                while self.consumed == expected:
-                    c, item = q.get()
-                    if c is None:
-                        raise item
-                    self.consumed = expected = c + self.rows_per_step
-                    yield item
-            finally:
-                stop.set()
-                t.join(timeout=5)
-
-
-
-class TrainLoader(_Prefetch):
+class TrainLoader(Prefetch):
     """Infinite iterator of training batches with an exact `state_dict` (see module docstring)."""
 
     STATE_VERSION = 2
@@ -270,21 +184,14 @@ class ValidLoader:
             yield collate(rows, self.table.type_names)
 
 
-def _shape(data_cfg) -> RowShape:
-    return RowShape(data_cfg.seq_len, data_cfg.packed_length or data_cfg.seq_len * data_cfg.micro_bsz,
-                    data_cfg.pack_sample_into_one)
-
-
 def build_train_loader(data_cfg, *, dp_rank: int, dp_size: int, vocab_size: int):
     """The training loader of `data_cfg` (a DataConfig with its defaults filled) for one data-parallel rank.
 
     `data_cfg.num_worker > 0` prepares up to `2 * num_worker` batches ahead in a background thread.
     """
     if getattr(data_cfg, "type", "tokenized") == "streaming":
-        from .streaming import build_streaming_loader
-
         return build_streaming_loader(data_cfg, dp_rank=dp_rank, dp_size=dp_size, vocab_size=vocab_size)
-    shape = _shape(data_cfg)
+    shape = row_shape(data_cfg)
     seed = data_seed(data_cfg)
     folder = data_cfg.train_folder
     if folder is None:
@@ -328,7 +235,7 @@ def build_valid_loaders(data_cfg, *, dp_rank: int, dp_size: int, vocab_size: int
     too: one "val" set of dummy documents drawn from another seed than the training stream (4 validation
     batches per rank). With real training data and no `valid_folder`, there is no validation ({}).
     """
-    shape = _shape(data_cfg)
+    shape = row_shape(data_cfg)
     micro = data_cfg.valid_micro_num or data_cfg.micro_num
     tables = build_valid_tables(data_cfg)
     if data_cfg.valid_folder is None and data_cfg.train_folder is None:

@@ -29,7 +29,7 @@ from internlm_core.errors import DataError
 from internlm_core.utils.logging import get_logger
 
 from .dataset import data_seed, type_names_for
-from .loader import _Prefetch, _shape, collate
+from .batches import Prefetch, collate, row_shape
 from .mixture import Mixture
 from .packing import IGNORE_INDEX, Fragment, check_vocab
 from .tokenizers import load_tokenizer
@@ -243,7 +243,7 @@ class _Cursor:
         return frags
 
 
-class StreamingLoader(_Prefetch):
+class StreamingLoader(Prefetch):
     """The streaming training loader: the tokenized loader's interface, state and row contract."""
 
     STATE_VERSION = 1
@@ -355,6 +355,6 @@ def build_streaming_loader(data_cfg, *, dp_rank: int, dp_size: int, vocab_size: 
         mixture, cursors, stream_types = None, [cursor(list(range(len(sources))))], sorted(names)
     logger.info("streaming data %s: %d sources, types %s, tokenizer %s (seed %d unused: streams are read in order)",
                 folder, len(sources), names, tok.name, data_seed(data_cfg))
-    return StreamingLoader(cursors, mixture, _shape(data_cfg), micro_num=data_cfg.micro_num, dp_rank=dp_rank,
+    return StreamingLoader(cursors, mixture, row_shape(data_cfg), micro_num=data_cfg.micro_num, dp_rank=dp_rank,
                            dp_size=dp_size, vocab_size=vocab_size, type_names=names, stream_types=stream_types,
                            prefetch=2 * max(0, int(data_cfg.num_worker or 0)))

@@ -236,3 +236,26 @@ def test_verify_command(tmp_path, ours, capsys):
     Path(str(ours) + ".meta").write_bytes(b"")
     assert _main([str(ours)]) == 1
     assert "truncated .bin.meta: 0 bytes" in capsys.readouterr().err
+
+
+def test_data_modules_import_one_another_without_a_circle():
+    """formats.py once imported dataset.py (its verify command) while dataset.py imported formats.py."""
+    import ast
+
+    pkg = Path(__file__).resolve().parents[2] / "internlm_core" / "data"
+    graph = {}
+    for f in pkg.glob("*.py"):
+        deps = set()
+        for node in ast.walk(ast.parse(f.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.level == 1 and node.module:
+                deps.add(node.module.split(".")[0])
+            elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith("internlm_core.data."):
+                deps.add(node.module.split(".")[2])
+        graph[f.stem] = deps - {f.stem}
+    assert "dataset" not in graph["formats"] and graph["formats"] >= {"megatron", "tokenfile"}
+
+    def reaches(a, b, seen=()):
+        return any(d == b or (d not in seen and reaches(d, b, seen + (d,))) for d in graph.get(a, ()))
+
+    circles = [m for m in graph if m != "__init__" and reaches(m, m)]
+    assert circles == []
