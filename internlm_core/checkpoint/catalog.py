@@ -24,8 +24,12 @@ logger = get_logger(__name__)
 
 
 def parse_destination(url: str | os.PathLike, attempts: int = 3, backoff_s: float = 1.0) -> Storage:
-    """A local folder or `s3://bucket/prefix` (InternLM's `local:` / `boto3:` prefixes allowed)."""
-    text = strip_location_prefix(str(url))
+    """A local folder or `s3://bucket/prefix` (InternLM's `local:` / `boto3:` prefixes allowed; InternLM's
+    `boto3:s3://bucket.ENDPOINT/prefix` names the endpoint in the bucket string)."""
+    text = str(url)
+    if text.startswith("boto3:s3://"):
+        return S3Storage(text, attempts, backoff_s)
+    text = strip_location_prefix(text)
     if text.startswith("s3://"):
         return S3Storage(text, attempts, backoff_s)
     if re.match(r"^[a-zA-Z][a-zA-Z0-9+.-]*://", text):

@@ -1,11 +1,14 @@
-"""Hugging Face Llama interchange: export our checkpoints as `LlamaForCausalLM` folders, import Llama folders.
+"""Hugging Face interchange: import HF folders into a built model, export our checkpoints as HF folders.
 
-The names and config.json of each model family are in hf_names.py, safetensors reading and writing in
-safetensors_io.py, the tokenizer files in tokenizer_export.py; which checkpoint a path names in catalog.py.
+Which HF class a family reads and writes, its names and config.json, are the family's `StateDictAdapter`s
+(model/<family>/hf.py: "hf" its own class, "hf_llama" LlamaForCausalLM); this file names no parameter path.
+safetensors reading and writing are in safetensors_io.py, tokenizer files in tokenizer_export.py, which checkpoint
+a path names in catalog.py.
 
-Import (`load_hf_llama`, ckpt_type "hf_llama") fills a built model, plain, FSDP2 / tensor-parallel or one pipeline
-stage. Export reads the model part of a DCP checkpoint (any data/tensor/pipeline layout: DCP stores global tensors)
-one safetensors shard at a time, so peak memory is about one shard, not the whole model.
+Import (`load_hf`, ckpt_type "hf" / "hf_llama") fills a built model, plain, FSDP2 / tensor-parallel or one
+pipeline stage, from the folder's class (config.json `architectures`). Export reads the model part of a DCP
+checkpoint (any data/tensor/pipeline layout: DCP stores global tensors) one layer group at a time, so peak memory
+is about one safetensors shard, not the whole model.
 """
 
 from __future__ import annotations
@@ -20,90 +23,89 @@ from typing import Any, Callable, Mapping, Optional
 import torch
 
 from ..errors import CheckpointError
+from ..model.spec import StateDictAdapter, get_model_spec
 from .catalog import checkpoint_config, local_checkpoint
-from .hf_names import (_MARKER_KEY, config_from_hf, expected_parameter_names, from_hf_state_dict, hf_config,
-                       ours_to_hf_name)
+from .foreign import context, find_adapter, groups, load_full_state, meta_shapes
 from .safe_dcp import SafeFileSystemReader, SafeLoadPlanner, read_dcp_metadata
-from .safetensors_io import hf_safetensors_files, parse_size, read_hf_tensors, write_safetensors_shards
+from .safetensors_io import hf_safetensors_files, parse_size, read_hf_tensors, read_json, write_safetensors_shards
 from .tokenizer_export import write_tokenizer_files
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _CONFIG_DTYPE_NAMES = {"torch.float32": "float32", "torch.tf32": "float32", "torch.bfloat16": "bfloat16",
                        "torch.float16": "float16"}
+# HF config.json model_type → its class, for folders whose config.json lacks "architectures"
+_HF_CLASSES = {"llama": "LlamaForCausalLM", "internlm": "InternLMForCausalLM", "internlm2": "InternLM2ForCausalLM"}
+HF_ARCHS = {"llama": "LlamaForCausalLM", "internlm": "InternLMForCausalLM", "internlm2": "InternLM2ForCausalLM"}
 
 
 # ---------------------------------------------------------------------------------------------------------
 # import into a model
 
-def _is_distributed_model(model: torch.nn.Module) -> bool:
-    from torch.distributed.tensor import DTensor
+def hf_class(hf_dir: str | os.PathLike) -> tuple[str, dict]:
+    """(the HF class of a folder, its config.json)."""
+    path = Path(hf_dir) / "config.json"
+    c = read_json(path)
+    archs = c.get("architectures") or []
+    mt = c.get("model_type")
+    arch = archs[0] if archs else _HF_CLASSES.get(str(mt))
+    if arch is None or (mt is not None and _HF_CLASSES.get(str(mt)) != arch):
+        raise CheckpointError(f"{path}: model_type {mt!r} ({', '.join(archs) or 'no architectures'}); internlm-core "
+                              f"reads Hugging Face folders of model_type {', '.join(_HF_CLASSES)}")
+    return arch, c
 
-    return any(isinstance(p, DTensor) for p in model.parameters())
+
+def hf_adapter(hf_dir: str | os.PathLike, model_type: Optional[str] = None) -> tuple[StateDictAdapter, dict]:
+    """The family adapter that reads the folder's class (of `model_type`, or of any family), and config.json."""
+    arch, c = hf_class(hf_dir)
+    return find_adapter(model_type, "hf", arch, where=f"{Path(hf_dir) / 'config.json'}: "), c
 
 
-def load_hf_llama(model: torch.nn.Module, hf_dir: str | os.PathLike, strict: bool = True) -> list[str]:
-    """Load the Llama weights of `hf_dir` (safetensors) into our `model`; returns the parameter names loaded.
+def config_from_hf(hf_dir: str | os.PathLike, model_type: Optional[str] = None) -> dict:
+    """Our `model` keys of the model in `hf_dir` (what the family cannot compute is a CheckpointError)."""
+    adapter, c = hf_adapter(hf_dir, model_type)
+    return adapter.config_from_foreign(c, str(Path(hf_dir) / "config.json"))  # type: ignore[misc, call-arg]
 
-    `model` may be a plain module, an FSDP2 / tensor-parallel (DTensor) model, or one pipeline stage: only the
-    parameters the model holds are read (a stage's layers keep their global names). Shapes are checked against
-    the model's full (global) shapes; with `strict`, every parameter of the model must be in the folder.
-    DTensor models are filled with `torch.distributed.checkpoint.state_dict.set_model_state_dict`
-    (full_state_dict=True, broadcast_from_rank0=True): rank 0 reads the files, every rank receives its shards.
+
+def load_hf(model: torch.nn.Module, hf_dir: str | os.PathLike, model_type: Optional[str] = None,
+            strict: bool = True) -> list[str]:
+    """Load a Hugging Face folder (safetensors) into our built `model`; returns the parameter names loaded.
+
+    The folder's class picks the adapter (of `model_type`'s family when given). The model's shape must match the
+    folder's config.json; only the tensors the model (all ranks together) holds are read.
     """
-    hf_cfg = config_from_hf(hf_dir)
-    tie = hf_cfg["tie_word_embeddings"]
+    adapter, c = hf_adapter(hf_dir, model_type)
+    keys = adapter.config_from_foreign(c, str(Path(hf_dir) / "config.json"))  # type: ignore[misc, call-arg]
     args = getattr(model, "args", None)
     if args is not None:
         ours = {"num_layers": args.num_layers, "hidden_size": args.hidden_size, "num_attention_heads": args.num_heads,
                 "num_kv_attention_heads": args.num_kv_heads, "vocab_size": args.vocab_size,
                 "intermediate_size": args.ffn_width, "qkv_bias": bool(args.qkv_bias),
                 "tie_word_embeddings": bool(args.tie_word_embeddings)}
-        diff = [f"{k}: model {v} vs {hf_dir} {hf_cfg[k]}" for k, v in ours.items() if hf_cfg[k] != v]
+        diff = [f"{k}: model {v} vs {hf_dir} {keys[k]}" for k, v in ours.items() if k in keys and keys[k] != v]
         if diff:
-            raise CheckpointError(f"the model does not match the Hugging Face config ({'; '.join(diff)}); "
-                                  f"set these model keys (internlm_core.checkpoint.hf_names.config_from_hf reads them)")
-    target = {k: v for k, v in model.state_dict().items()}
-    wanted_hf = {}
-    for name in target:
-        if tie and name == "output.weight":
-            continue
-        wanted_hf[ours_to_hf_name(name)] = name
-    if tie and "output.weight" in target and "tok_embeddings.weight" not in target:  # a last pipeline stage
-        wanted_hf["model.embed_tokens.weight"] = "output.weight"
-    available = hf_safetensors_files(hf_dir)
-    missing = [n for n in wanted_hf if n not in available]
-    if missing and strict:
-        raise CheckpointError(f"{hf_dir}: missing {len(missing)} tensor(s) the model needs, e.g. "
-                              f"{', '.join(missing[:3])}")
-    present = [n for n in wanted_hf if n in available]
+            raise CheckpointError(f"the model does not match the Hugging Face config ({'; '.join(diff)}); set "
+                                  f"these model keys (internlm_core.checkpoint.hf.config_from_hf reads them)")
+    ctx = context(args)
+    shapes = meta_shapes(model.state_dict())
 
-    distributed = _is_distributed_model(model)
-    import torch.distributed as dist
+    def read(names: list[str]) -> dict[str, torch.Tensor]:
+        available = hf_safetensors_files(hf_dir)
+        wanted: list[str] = []
+        for group in groups(names).values():
+            foreign = adapter.to_foreign({n: shapes[n] for n in group if n in shapes}, ctx)
+            wanted.extend(f for f in foreign if f not in wanted)
+        missing = [f for f in wanted if f not in available]
+        if missing and strict:
+            raise CheckpointError(f"{hf_dir}: missing {len(missing)} tensor(s) the model needs, e.g. "
+                                  f"{', '.join(missing[:3])}")
+        tensors = read_hf_tensors(hf_dir, [f for f in wanted if f in available])
+        ours = adapter.from_foreign(tensors, ctx)
+        return {k: v for k, v in ours.items() if k in names}
 
-    read_here = not distributed or not dist.is_initialized() or dist.get_rank() == 0
-    hf_tensors = read_hf_tensors(hf_dir, present) if read_here else {}
-    sd = from_hf_state_dict(hf_tensors, tie_word_embeddings=tie)
-    sd = {k: v for k, v in sd.items() if k in target}
-    for name, t in sd.items():
-        ref = target[name]
-        if tuple(t.shape) != tuple(ref.shape):
-            src = "model.embed_tokens.weight" if (tie and name == "output.weight") else ours_to_hf_name(name)
-            raise CheckpointError(f"{hf_dir}: {src} has shape {tuple(t.shape)}, the model's {name} has "
-                                  f"{tuple(ref.shape)}")
-        sd[name] = t.to(ref.dtype)
-    if distributed:
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+    return load_full_state(model, read, str(hf_dir), strict=strict)
 
-        opts = StateDictOptions(full_state_dict=True, broadcast_from_rank0=dist.is_initialized(), strict=strict)
-        set_model_state_dict(model, sd, options=opts)
-    else:
-        result = model.load_state_dict(sd, strict=False)
-        if strict and result.missing_keys:
-            raise CheckpointError(f"{hf_dir}: not loaded into the model: {result.missing_keys[:3]}")
-    loaded = {wanted_hf[n] for n in present}
-    if tie and "model.embed_tokens.weight" in present and "output.weight" in target:
-        loaded.add("output.weight")
-    return sorted(loaded)
+
+load_hf_llama = load_hf  # the name ckpt_type "hf_llama" had; any supported HF class loads
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -112,44 +114,61 @@ def load_hf_llama(model: torch.nn.Module, hf_dir: str | os.PathLike, strict: boo
 TensorSource = Callable[[list[str]], Mapping[str, torch.Tensor]]
 
 
-def _model_shapes(cfg: Any) -> dict[str, tuple[torch.Size, torch.dtype]]:
-    """Our parameter names → (shape, dtype) of the full model of `cfg`, built on the meta device."""
+def _model_shapes(cfg: Any) -> dict[str, torch.Tensor]:
+    """Our parameter names → meta tensors of the full model of `cfg` (its state_dict order: layer by layer)."""
     from ..model import build_model
 
-    model = build_model(cfg, "meta")
-    return {k: (v.shape, v.dtype) for k, v in model.state_dict().items()}
+    return meta_shapes(build_model(cfg, "meta").state_dict())
+
+
+def export_adapter(cfg: Any, arch: Optional[str] = None) -> StateDictAdapter:
+    """The family adapter that writes HF class `arch` ("llama" (default), "internlm", "internlm2", "native")."""
+    spec = get_model_spec(cfg.model_type)
+    if arch in (None, "llama"):
+        return spec.adapters["hf_llama"] if "hf_llama" in spec.adapters else find_adapter(
+            cfg.model_type, "hf", "LlamaForCausalLM")
+    if arch == "native":
+        return spec.adapters["hf"]
+    if arch not in HF_ARCHS:
+        raise CheckpointError(f"Hugging Face class {arch!r}: expected one of llama, internlm, internlm2, native")
+    return find_adapter(cfg.model_type, "hf", HF_ARCHS[arch], where="export: ")
 
 
 def export_hf(out_dir: str | os.PathLike, cfg: Any, source: Mapping[str, torch.Tensor] | TensorSource,
               dtype: Optional[str] = None, max_shard_size: str | int = "5GB", tokenizer: Optional[str] = "config",
-              progress: Optional[Callable[[str], None]] = None) -> list[Path]:
-    """Write a Hugging Face Llama folder for the model of `cfg` (our Config) and return the files written.
+              progress: Optional[Callable[[str], None]] = None, arch: Optional[str] = None) -> list[Path]:
+    """Write a Hugging Face folder for the model of `cfg` (our Config) and return the files written.
 
-    source: our full state dict, or a function returning the tensors of a list of our names (one shard at a
+    source: our full state dict, or a function returning the tensors of a list of our names (one layer group at a
     time, so that a checkpoint need not fit in memory at once).
     dtype: "float32", "bfloat16" or "float16"; default the run's `model.dtype` (fp32 for fp32/tf32 runs).
     tokenizer: "config" (the run's `tokenizer` key), None (no tokenizer files), or a tokenizer spec.
+    arch: the HF class: "llama" (LlamaForCausalLM, default), "internlm", "internlm2", or "native" (the family's).
     """
+    from ..model import model_args_from_config
+
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     dtype = dtype or _CONFIG_DTYPE_NAMES.get(cfg.model.dtype, "float32")
     if dtype not in DTYPES:
         raise CheckpointError(f"export dtype {dtype!r}: expected one of {', '.join(DTYPES)}")
     tdtype = DTYPES[dtype]
-    tie = bool(cfg.model.tie_word_embeddings)
+    adapter = export_adapter(cfg, arch)
+    conf = adapter.foreign_config(cfg, dtype, {})  # type: ignore[misc]  # refuses what the class cannot hold early
     shapes = _model_shapes(cfg)
-    ours_names = expected_parameter_names(cfg.model.num_layers, bool(cfg.model.qkv_bias), tie)
-    unknown = sorted(set(shapes) - set(ours_names) - ({"output.weight"} if tie else set()))
-    if unknown or set(ours_names) - set(shapes):
-        raise CheckpointError(f"model of {cfg.model_type} has parameters the Llama export does not know: "
-                              f"{unknown or sorted(set(ours_names) - set(shapes))}")
-    hf_of = {n: ours_to_hf_name(n) for n in ours_names}
-    ours_of = {v: k for k, v in hf_of.items()}
-    nbytes = {hf_of[n]: shapes[n][0].numel() * torch.empty((), dtype=tdtype).element_size() for n in ours_names}
+    ctx = context(model_args_from_config(cfg))
+    plan = groups(shapes)
+    owner: dict[str, str] = {}  # foreign name → the group producing it (a tied output produces nothing new)
+    nbytes: dict[str, int] = {}
+    for key, names in plan.items():
+        for f, t in adapter.to_foreign({n: shapes[n] for n in names}, ctx).items():
+            if f not in owner:
+                owner[f] = key
+                nbytes[f] = t.numel() * torch.empty((), dtype=tdtype).element_size()
 
     if isinstance(source, Mapping):
         sd = source
-        missing = [n for n in ours_names if n not in sd]
+        missing = [n for n in shapes if n not in sd]
         if missing:
             raise CheckpointError(f"state dict lacks {len(missing)} parameter(s), e.g. {missing[:3]}")
 
@@ -158,26 +177,26 @@ def export_hf(out_dir: str | os.PathLike, cfg: Any, source: Mapping[str, torch.T
     else:
         load_ours = source
 
-    def load_shard(hf_names: list[str]) -> dict[str, torch.Tensor]:
-        names = [ours_of[h] for h in hf_names]
-        got = load_ours(names)
-        shard = {}
-        for n in names:
-            if n not in got:
-                raise CheckpointError(f"checkpoint lacks parameter {n}")
-            t = got[n]
-            if tuple(t.shape) != tuple(shapes[n][0]):
-                raise CheckpointError(f"checkpoint parameter {n} has shape {tuple(t.shape)}, the config's model "
-                                      f"expects {tuple(shapes[n][0])}")
-            shard[hf_of[n]] = t.detach().to(device="cpu", dtype=tdtype)
+    def load_shard(foreign_names: list[str]) -> dict[str, torch.Tensor]:
+        shard: dict[str, torch.Tensor] = {}
+        for key in dict.fromkeys(owner[f] for f in foreign_names):
+            names = plan[key]
+            got = load_ours(names)
+            for n in names:
+                if n not in got:
+                    raise CheckpointError(f"checkpoint lacks parameter {n}")
+                if tuple(got[n].shape) != tuple(shapes[n].shape):
+                    raise CheckpointError(f"checkpoint parameter {n} has shape {tuple(got[n].shape)}, the config's "
+                                          f"model expects {tuple(shapes[n].shape)}")
+            full = {n: got[n].detach().to(device="cpu", dtype=tdtype) for n in names}
+            shard.update({f: t.contiguous() for f, t in adapter.to_foreign(full, ctx).items() if f in foreign_names})
         return shard
 
     tok_spec = cfg.tokenizer if tokenizer == "config" else tokenizer
     tok = write_tokenizer_files(tok_spec, out, cfg.data.seq_len)
-    files = write_safetensors_shards([hf_of[n] for n in ours_names], nbytes, load_shard, out,
-                                     parse_size(max_shard_size), progress)
+    files = write_safetensors_shards(list(owner), nbytes, load_shard, out, parse_size(max_shard_size), progress)
     ids = tok.special_ids
-    conf = hf_config(cfg, dtype, ids)
+    conf = adapter.foreign_config(cfg, dtype, ids)  # type: ignore[misc]
     (out / "config.json").write_text(json.dumps(conf, indent=2) + "\n")
     gen = {"_from_model_config": True, **{k: v for k, v in ids.items() if v is not None}}
     (out / "generation_config.json").write_text(json.dumps(gen, indent=2) + "\n")
@@ -213,51 +232,41 @@ class DCPModel:
         return {n: sd[self.prefix + n] for n in names}
 
 
-def find_dcp_model(folder: str | os.PathLike) -> DCPModel:
-    """The model state inside one DCP checkpoint folder, found by its parameter names.
-
-    A tensor key ending in `layers.0.attention.wq.weight` marks the model and its key prefix ("model." in
-    CheckpointManager's checkpoints); optimizer state (`...wq.weight.exp_avg`) never ends like that.
-    """
+def find_dcp_model(folder: str | os.PathLike, names: list[str]) -> DCPModel:
+    """The model state inside one DCP checkpoint folder: the key prefix under which every one of our parameter
+    `names` is stored ("model." in CheckpointManager's checkpoints; optimizer state names end otherwise)."""
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
     folder = Path(folder)
     meta = read_dcp_metadata(folder)
     keys = {k: v for k, v in meta.state_dict_metadata.items() if isinstance(v, TensorStorageMetadata)}
-    candidates = []
-    for k in keys:
-        if k.endswith(_MARKER_KEY):
-            prefix = k[: -len(_MARKER_KEY)]
-            ours = {kk[len(prefix):]: v for kk, v in keys.items() if kk.startswith(prefix)}
-            candidates.append(DCPModel(folder, prefix, {kk: v for kk, v in ours.items() if _is_model_name(kk)}))
+    probe = names[0]
+    prefixes = [k[: -len(probe)] for k in keys if k.endswith(probe)]
+    candidates = [p for p in prefixes if all(p + n in keys for n in names)]
     if not candidates:
-        raise CheckpointError(f"{folder}: the checkpoint holds no model weights (no key ending in {_MARKER_KEY})")
+        raise CheckpointError(f"{folder}: the checkpoint holds no model weights of this config (no key prefix "
+                              f"under which {probe} and the model's other {len(names) - 1} parameters are stored)")
     if len(candidates) > 1:
         raise CheckpointError(f"{folder}: several model states in one checkpoint (key prefixes "
-                              f"{', '.join(repr(c.prefix) for c in candidates)})")
-    return candidates[0]
-
-
-def _is_model_name(name: str) -> bool:
-    try:
-        ours_to_hf_name(name)
-        return True
-    except CheckpointError:
-        return False
+                              f"{', '.join(repr(c) for c in candidates)})")
+    prefix = candidates[0]
+    return DCPModel(folder, prefix, {n: keys[prefix + n] for n in names})
 
 
 def export_checkpoint(ckpt_dir: str | os.PathLike, out_dir: str | os.PathLike, cfg: Any = None,
                       dtype: Optional[str] = None, max_shard_size: str | int = "5GB",
                       tokenizer: Optional[str] = "config", allow_incomplete: bool = False,
-                      progress: Optional[Callable[[str], None]] = None) -> list[Path]:
-    """Convert an internlm-core checkpoint (any layout; a local folder or s3://) into a Hugging Face Llama folder."""
+                      progress: Optional[Callable[[str], None]] = None, arch: Optional[str] = None) -> list[Path]:
+    """Convert an internlm-core checkpoint (any layout; a local folder or s3://) into a Hugging Face folder."""
     with local_checkpoint(ckpt_dir, allow_incomplete) as (folder, which):
         if progress is not None:
             progress(which)
-        model = find_dcp_model(folder)
         cfg = cfg if cfg is not None else checkpoint_config(folder)
+        model = find_dcp_model(folder, list(_model_shapes(cfg)))
         if progress is not None:
+            cls = export_adapter(cfg, arch).architectures[0]
             progress(f"model state: key prefix {model.prefix!r}, {len(model.tensors)} tensors; "
-                     f"{cfg.model_type} -> LlamaForCausalLM")
+                     f"{cfg.model_type} -> {cls}")
         return export_hf(out_dir, cfg, model.load, dtype=dtype, max_shard_size=max_shard_size, tokenizer=tokenizer,
-                         progress=progress)
+                         progress=progress, arch=arch)
+

@@ -99,11 +99,15 @@ class CheckpointManager:
         self._warned_disabled = False
         self.last_saved_step: Optional[int] = None
         self.loaded: Optional[LoadResult] = None
+        self.model_type: Optional[str] = None
 
     # ---- registration --------------------------------------------------------------------------------------------
-    def register_model(self, model: torch.nn.Module, optimizer: Optional[torch.optim.Optimizer] = None) -> None:
-        """The model (content "model") and its optimizer (content "optimizer"), through DCP's state_dict API."""
+    def register_model(self, model: torch.nn.Module, optimizer: Optional[torch.optim.Optimizer] = None,
+                       model_type: Optional[str] = None) -> None:
+        """The model (content "model") and its optimizer (content "optimizer"), through DCP's state_dict API;
+        `model_type` picks the family's adapters for checkpoints of other formats (load_ckpt_info.ckpt_type)."""
         self.state.register_model(model, optimizer)
+        self.model_type = model_type
 
     def register(self, name: str, obj: Any, *, content: str, scope: str = "global", strict: bool = True) -> None:
         """Save `obj.state_dict()` under `name` and restore it with `obj.load_state_dict()` when `content` is loaded.
@@ -201,19 +205,28 @@ class CheckpointManager:
         return CheckpointRef(dest, found[0], found[1]) if found else None
 
     def resume(self) -> Optional[LoadResult]:
-        """At start: the newest complete checkpoint under save_ckpt_folder when auto_resume (everything),
-        else `load_ckpt_info` (its content), else nothing."""
-        if self.cfg.auto_resume and self.dest is not None:
-            ref = self.find_latest()
+        """At start, as InternLM: with auto_resume the newest complete checkpoint under save_ckpt_folder replaces
+        `load_ckpt_info` (everything is loaded); when there is none the run starts fresh and load_ckpt_info stays
+        unused. Without auto_resume: `load_ckpt_info` (its content), else nothing. One log line says which."""
+        info = self.cfg.load_ckpt_info
+        if self.cfg.auto_resume:
+            ref = self.find_latest() if self.dest is not None else None
             if ref is not None:
                 res = self._load_ref(ref, CONTENTS)
                 self.last_saved_step = ref.step
                 return res
             if self.rank == 0:
-                logger.info("auto_resume: no complete checkpoint under %s", self.dest.url)
-        info = self.cfg.load_ckpt_info
+                where = f"under {self.dest.url}" if self.dest is not None else "(no ckpt.save_ckpt_folder)"
+                unused = (f"; load_ckpt_info {info.path} ({info.ckpt_type}) not used: auto_resume replaces it, as "
+                          f"in InternLM (set ckpt.auto_resume=False to load it)" if info is not None and info.path
+                          else "")
+                logger.info("start: no complete checkpoint %s (auto_resume): fresh %s%s", where,
+                            ", ".join(CONTENTS), unused)
+            return None
         if info is not None and info.path:
             return self.load(info.path, info.content, info.ckpt_type)
+        if self.rank == 0:
+            logger.info("start: nothing to load (auto_resume off, no load_ckpt_info): fresh %s", ", ".join(CONTENTS))
         return None
 
     def load(self, path: str, content: Iterable[str] | str | None = ("all",),
@@ -244,13 +257,17 @@ class CheckpointManager:
         if folder is None:
             raise CheckpointError(f"{storage.url}: a {ckpt_type} checkpoint is read from a local folder; download "
                                   "it first")
-        if parts != ("model",) and self.rank == 0:
-            logger.warning("load_ckpt_info: a %s checkpoint holds a model only; loading the model, the optimizer "
-                           "and schedules start fresh", ckpt_type)
         if self.state.model is None:
             raise CheckpointError("no model registered with the checkpoint manager")
-        fn(self.state.model, folder)
+        t0 = time.perf_counter()
+        loaded = fn(self.state.model, folder, self.model_type)
         self.loaded = LoadResult(storage.url, 0, ("model",), True)
+        if self.rank == 0:
+            asked = [c for c in parts if c != "model"]
+            logger.info("loaded %s (type %s; content model) in %.2f s: took model (%d tensors); fresh %s%s",
+                        storage.url, ckpt_type, time.perf_counter() - t0, len(loaded),
+                        ", ".join(c for c in CONTENTS if c != "model"),
+                        f" (a {ckpt_type} checkpoint holds no {', '.join(asked)} for this run)" if asked else "")
         return self.loaded
 
     def _load_ref(self, ref: CheckpointRef, parts: tuple[str, ...]) -> LoadResult:
@@ -268,6 +285,8 @@ class CheckpointManager:
             how = ("same layout: exact resume" if same else
                    f"layout changed from {saved.get('layout')} to {self.layout()}: model, optimizer and schedules "
                    "exact; data position and RNG as described in the checkpoint's meta.json")
-            logger.info("loaded %s (step %d, %s; content %s) in %.2f s; %s%s", ref.url, ref.step, ref.kind,
-                        ",".join(parts), time.perf_counter() - t0, how, "".join(f"; {n}" for n in notes))
+            fresh = [c for c in CONTENTS if c not in parts]
+            logger.info("loaded %s (step %d, %s; content %s) in %.2f s: took %s from an internlm_core checkpoint; "
+                        "fresh %s; %s%s", ref.url, ref.step, ref.kind, ",".join(parts), time.perf_counter() - t0,
+                        ", ".join(parts), ", ".join(fresh) or "nothing", how, "".join(f"; {n}" for n in notes))
         return res

@@ -10,7 +10,7 @@ import shutil
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Optional
 
 import torch
 import torch.distributed.checkpoint as dcp
@@ -19,17 +19,21 @@ from ..errors import CheckpointError
 from ..utils.logging import get_logger
 from .catalog import CheckpointRef
 from .collectives import Collectives
-from .hf import load_hf_llama
+from .hf import load_hf
+from .internlm_format import load_internlm
 from .registry import StateRegistry
 from .safe_dcp import (DCP_ERRORS, SafeFileSystemReader, SafeLoadPlanner, describe, flat_keys, read_dcp_metadata,
                        unwrap)
 
 logger = get_logger(__name__)
 
-# load_ckpt_info.ckpt_type → fn(model, local folder): loads the weights of that format into the built, parallelized
-# model (model only: the optimizer and schedules start fresh). "internlm_core" is ours, loaded by the manager.
-FOREIGN_LOADERS: dict[str, Callable[[torch.nn.Module, Path], Any]] = {
-    "hf_llama": load_hf_llama,
+# load_ckpt_info.ckpt_type → fn(model, local folder, model_type) -> names loaded: loads the weights of that format
+# into the built, parallelized model through the family's adapter (model only: the optimizer and schedules start
+# fresh). "internlm_core" is ours, loaded by the manager.
+FOREIGN_LOADERS: dict[str, Callable[[torch.nn.Module, Path, Optional[str]], list]] = {
+    "hf": load_hf,
+    "hf_llama": load_hf,
+    "internlm": load_internlm,
 }
 
 

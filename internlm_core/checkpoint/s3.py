@@ -16,15 +16,42 @@ from ..errors import CheckpointError
 from .storage import STEP_NAME, MARKER, SNAPSHOT_SLOTS, Storage, retry
 
 
+# InternLM's `boto3:s3://bucket.ENDPOINT/prefix`: the endpoint (an IP address, plain http on port 80) is part of
+# the bucket string (InternLM's storage_manager.get_boto3_meta)
+_INTERNLM_BUCKET = re.compile(r"^([^.]+)\.(\d+(?:\.\d+){3})$")
+# InternLM's names of the credentials (its Boto3Client reads these, not AWS_*)
+INTERNLM_KEY_VARS = ("S3_ACCESS_KEY_ID", "S3_SECRET_ACCESS_KEY_ID")
+
+
+def split_internlm_bucket(url: str) -> tuple[str, Optional[str]]:
+    """`boto3:s3://bucket.10.1.2.3/prefix` → (`s3://bucket/prefix`, `http://10.1.2.3:80`); other URLs unchanged
+    (without an endpoint: boto3's, from AWS_ENDPOINT_URL or its default)."""
+    if not url.startswith("boto3:"):
+        return url, None
+    url = url[len("boto3:"):]
+    m = re.match(r"^s3://([^/]+)(/.*)?$", url)
+    if m:
+        b = _INTERNLM_BUCKET.match(m.group(1))
+        if b:
+            return f"s3://{b.group(1)}{m.group(2) or ''}", f"http://{b.group(2)}:80"
+    return url, None
+
+
 class S3Storage(Storage):
-    """`s3://bucket/prefix` through boto3; checkpoints are written locally first, then uploaded."""
+    """`s3://bucket/prefix` through boto3; checkpoints are written locally first, then uploaded. InternLM's
+    `boto3:s3://bucket.ENDPOINT/prefix` names the endpoint in the bucket string (kept in `url`, so that children
+    of this storage name it too)."""
 
     def __init__(self, url: str, attempts: int = 3, backoff_s: float = 1.0):
+        original = url
+        url, self.endpoint = split_internlm_bucket(url)
         m = re.match(r"^s3://([^/]+)/?(.*)$", url)
         if not m:
             raise CheckpointError(f"ckpt.save_ckpt_folder: cannot read {url!r}; expected s3://bucket/prefix")
         self.bucket, self.prefix = m.group(1), m.group(2).strip("/")
         self.url = f"s3://{self.bucket}/{self.prefix}" if self.prefix else f"s3://{self.bucket}"
+        if self.endpoint is not None:
+            self.url = original.rstrip("/")
         self.attempts, self.backoff_s = attempts, backoff_s
         self._client: Any = None
 
@@ -36,9 +63,16 @@ class S3Storage(Storage):
                 from botocore.config import Config as BotoConfig
             except ImportError:
                 raise CheckpointError(f"{self.url}: s3:// checkpoints need boto3 (pip install boto3)") from None
-            # endpoint (AWS_ENDPOINT_URL / AWS_ENDPOINT_URL_S3) and credentials: boto3 reads them from the environment
+            # endpoint (the URL's, else AWS_ENDPOINT_URL / AWS_ENDPOINT_URL_S3) and credentials (InternLM's
+            # S3_ACCESS_KEY_ID / S3_SECRET_ACCESS_KEY_ID when set, else boto3's own sources)
+            kwargs: dict[str, Any] = {}
+            if self.endpoint is not None:
+                kwargs["endpoint_url"] = self.endpoint
+            key_id, secret = (os.environ.get(v) for v in INTERNLM_KEY_VARS)
+            if key_id and secret:
+                kwargs.update(aws_access_key_id=key_id, aws_secret_access_key=secret)
             self._client = boto3.client("s3", config=BotoConfig(retries={"max_attempts": 3, "mode": "standard"},
-                                                                connect_timeout=30, read_timeout=120))
+                                                                connect_timeout=30, read_timeout=120), **kwargs)
         return self._client
 
     def key(self, name: str, filename: str = "") -> str:

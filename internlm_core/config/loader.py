@@ -17,6 +17,7 @@ import yaml
 
 from ..errors import ConfigError
 from ..model.spec import get_model_spec
+from .compat import CompatNotes, normalize
 from .schema import Config, LoadCkptInfo
 
 _DTYPES = {
@@ -98,56 +99,6 @@ def strip_location_prefix(location: str) -> str:
         if location.startswith(prefix):
             location = location[len(prefix):]
     return location
-
-
-def _normalize_internlm_forms(raw: dict) -> dict:
-    """Map InternLM's alternative spellings onto the flat schema (zero1/pipeline/tensor dicts, grad_scaler.fp16)."""
-    raw = dict(raw)
-    par = dict(raw.get("parallel") or {})
-    if isinstance(par.get("zero1"), dict):
-        z = dict(par.pop("zero1"))
-        par["zero1"] = z.pop("size", -1)
-        if "fsdp" in z:
-            par["zero1_fsdp"] = z.pop("fsdp")
-        if z:
-            raise ConfigError(f"parallel.zero1: unknown key(s) {sorted(z)}; expected size, fsdp")
-    if isinstance(par.get("pipeline"), dict):
-        p = dict(par.pop("pipeline"))
-        par["pipeline"] = p.pop("size", 1)
-        if "interleaved_overlap" in p:
-            par["interleaved_overlap"] = p.pop("interleaved_overlap")
-        if p:
-            raise ConfigError(f"parallel.pipeline: unknown key(s) {sorted(p)}; expected size, interleaved_overlap")
-    if isinstance(par.get("tensor"), dict):
-        t = dict(par.pop("tensor"))
-        par["tensor"] = t.pop("size", 1)
-        t.pop("mode", None)  # InternEvo's tensor modes; DTensor plans replace them
-        if t:
-            raise ConfigError(f"parallel.tensor: unknown key(s) {sorted(t)}; expected size")
-    if "parallel" in raw:
-        raw["parallel"] = par
-    gs = raw.get("grad_scaler")
-    if isinstance(gs, dict) and isinstance(gs.get("fp16"), dict):
-        gs = dict(gs)
-        gs.update(gs.pop("fp16"))
-        raw["grad_scaler"] = gs
-    ckpt = raw.get("ckpt")
-    if isinstance(ckpt, dict):
-        ckpt = dict(ckpt)
-        if isinstance(ckpt.get("save_ckpt_folder"), str):
-            ckpt["save_ckpt_folder"] = strip_location_prefix(ckpt["save_ckpt_folder"])
-        info = ckpt.get("load_ckpt_info")
-        if isinstance(info, dict) and isinstance(info.get("path"), str):
-            ckpt["load_ckpt_info"] = dict(info, path=strip_location_prefix(info["path"]))
-        # InternLM's legacy keys
-        if "load_ckpt_folder" in ckpt or "load_model_only_folder" in ckpt:
-            folder = ckpt.pop("load_ckpt_folder", None)
-            model_only = ckpt.pop("load_model_only_folder", None)
-            if ckpt.get("load_ckpt_info") is None and (folder or model_only):
-                ckpt["load_ckpt_info"] = ({"path": model_only, "content": ("model",)} if model_only
-                                          else {"path": folder, "content": ("all",)})
-        raw["ckpt"] = ckpt
-    return raw
 
 
 def _closest(name: str, candidates: Iterable[str]) -> str:
@@ -237,17 +188,25 @@ def _is_file_constant(name: str) -> bool:
 def build_config(raw: dict, source: str = "config", world_size: int | None = None) -> Config:
     """Validate a raw dict into a `Config`, fill derived defaults and check consistency."""
     raw = {k: v for k, v in raw.items() if not _is_file_constant(k)}
-    raw = _normalize_internlm_forms(raw)
     try:
+        raw, notes = normalize(raw)  # InternLM's and InternEvo's forms (compat.py)
         cfg = _build(Config, raw, "")
     except ConfigError as e:
         raise ConfigError(f"{source}: {e}") from None
+    cfg.compat_notes = notes  # type: ignore[attr-defined]  # not a config key: logged at start (compat_lines)
     try:
         fill_defaults(cfg)
         check_consistency(cfg, world_size)
     except ConfigError as e:
         raise ConfigError(f"{source}: {e}") from None
     return cfg
+
+
+def compat_lines(cfg: Config) -> list[str]:
+    """The log lines saying which keys of the loaded file were kept for compatibility only, and which InternLM
+    forms were translated (empty for a config in our own terms)."""
+    notes = getattr(cfg, "compat_notes", None)
+    return notes.lines() if isinstance(notes, CompatNotes) else []
 
 
 def fill_defaults(cfg: Config) -> None:
@@ -278,6 +237,29 @@ def fill_defaults(cfg: Config) -> None:
     info = cfg.ckpt.load_ckpt_info
     if info is not None and isinstance(info, LoadCkptInfo):
         info.content = tuple(c.lower() for c in info.content)
+        info.ckpt_type = CKPT_TYPE_ALIASES.get(str(info.ckpt_type).lower(), info.ckpt_type)
+
+
+# load_ckpt_info.ckpt_type: ours, InternLM's own folders, Hugging Face folders (Llama, InternLM, InternLM2)
+CKPT_TYPES = ("internlm_core", "internlm", "hf", "hf_llama")
+CKPT_TYPE_ALIASES = {"internevo": "internlm", "normal": "internlm", "hf_model": "hf", "hf_internlm": "hf",
+                     "hf_internlm2": "hf"}
+
+
+def check_rampup(spec: str, micro_num: int, pipeline: int) -> None:
+    """InternLM's rampup_batch_size "start increment every": micro-batches per step start at `start` and grow by
+    `increment` every `every` steps up to data.micro_num."""
+    try:
+        start, inc, every = (int(x) for x in str(spec).split())
+    except ValueError:
+        raise ConfigError(f"data.rampup_batch_size: expected three integers \"start increment every\" (e.g. "
+                          f"\"2 1 10\"), got {spec!r}") from None
+    if not (1 <= start <= micro_num and inc >= 1 and every >= 1):
+        raise ConfigError(f"data.rampup_batch_size {spec!r}: expected 1 <= start <= data.micro_num ({micro_num}), "
+                          f"increment >= 1 and every >= 1")
+    if pipeline > 1:
+        raise ConfigError("data.rampup_batch_size: not supported with parallel.pipeline > 1 (the pipeline schedule "
+                          "has a fixed number of micro-batches)")
 
 
 def check_consistency(cfg: Config, world_size: int | None = None) -> None:
@@ -295,7 +277,7 @@ def check_consistency(cfg: Config, world_size: int | None = None) -> None:
         raise ConfigError(f"data.packed_length ({d.packed_length}) must equal data.seq_len * data.micro_bsz "
                           f"({d.seq_len} * {d.micro_bsz} = {d.seq_len * d.micro_bsz})")
     if d.rampup_batch_size:
-        raise ConfigError("data.rampup_batch_size: batch-size ramp-up is not supported; leave it empty")
+        check_rampup(d.rampup_batch_size, d.micro_num, p.pipeline)
     if m.dtype not in set(_DTYPES.values()):
         raise ConfigError(f"model.dtype: expected one of torch.float32, torch.tf32, torch.bfloat16, torch.float16, "
                           f"got {m.dtype!r}")
@@ -330,8 +312,11 @@ def check_consistency(cfg: Config, world_size: int | None = None) -> None:
         bad = [c for c in info.content if c not in _CONTENTS]
         if bad:
             raise ConfigError(f"ckpt.load_ckpt_info.content: unknown {bad}; expected any of {', '.join(_CONTENTS)}")
-        if info.ckpt_type not in ("internlm_core", "hf_llama", "internlm"):
-            raise ConfigError(f"ckpt.load_ckpt_info.ckpt_type: expected internlm_core or hf_llama, got {info.ckpt_type!r}")
+        if info.ckpt_type not in CKPT_TYPES:
+            hint = ("; Meta's original Llama files: convert them with transformers' convert_llama_weights_to_hf, "
+                    "then use ckpt_type='hf'" if info.ckpt_type == "llama" else "")
+            raise ConfigError(f"ckpt.load_ckpt_info.ckpt_type: expected one of {', '.join(CKPT_TYPES)} (or "
+                              f"{', '.join(sorted(CKPT_TYPE_ALIASES))}), got {info.ckpt_type!r}{hint}")
     if cfg.ckpt.enable_save_ckpt and not cfg.ckpt.save_ckpt_folder:
         raise ConfigError("ckpt.save_ckpt_folder: must be set when ckpt.enable_save_ckpt is True")
     if cfg.ckpt.checkpoint_every < 1:
@@ -355,6 +340,11 @@ def check_consistency(cfg: Config, world_size: int | None = None) -> None:
             raise ConfigError(f"world size {world_size} is not divisible by parallel.tensor * parallel.pipeline "
                               f"({p.tensor} * {p.pipeline} = {tp_pp})")
         dp = world_size // tp_pp
+        if p.zero1 > dp:  # InternLM's 7B config says zero1=8: on fewer data-parallel ranks shard over all of them
+            notes = getattr(cfg, "compat_notes", None)
+            if notes is not None:
+                notes.mapped.append(f"parallel.zero1={p.zero1} > data-parallel size {dp}: sharding over all {dp}")
+            p.zero1 = dp
         if p.zero1 > 1 and dp % p.zero1:
             raise ConfigError(f"parallel.zero1 ({p.zero1}) must divide the data-parallel size ({dp} = world size "
                               f"{world_size} / (tensor {p.tensor} * pipeline {p.pipeline}))")

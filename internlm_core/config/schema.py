@@ -31,7 +31,7 @@ class DataConfig:
     pack_sample_into_one: bool = f(False, "Treat a packed row as one sequence (attention crosses documents), as InternLM.")
     total_steps: int = f(50000, "Number of batches (optimizer steps) to train.")
     skip_batches: str = f("", "Batches to skip, e.g. \"3,10-20\" (inclusive ranges, 0-based batch counts).")
-    rampup_batch_size: str = f("", "InternLM's batch-size ramp-up; not supported (must stay empty).")
+    rampup_batch_size: str = f("", "InternLM's batch-size ramp-up \"start increment every\": micro-batches per step start at `start` and grow by `increment` every `every` steps up to `micro_num` (e.g. \"2 1 10\"); empty: none. Not with pipeline parallel.")
     min_length: int = f(0, "Drop documents with fewer tokens than this.")
     train_folder: Optional[str] = f(None, "Folder of tokenized `.bin`/`.bin.meta` files; None: random dummy data.")
     valid_folder: Optional[str] = f(None, "Folder of validation `.bin` files, one dataset per subfolder; None: no validation data.")
@@ -162,7 +162,7 @@ class LoadCkptInfo:
 
     path: Optional[str] = f(None, "Checkpoint folder or URL to load.")
     content: tuple = f(None, "What to load: any of model, sampler, optimizer, scheduler, or all.", factory=lambda: ("all",))
-    ckpt_type: str = f("internlm_core", "Format: internlm_core (our DCP checkpoints) or hf_llama (a Hugging Face Llama folder).")
+    ckpt_type: str = f("internlm_core", "Format: internlm_core (our DCP checkpoints), internlm (InternLM's / InternEvo's own folders of model_tp{t}_pp{p}.pt; also internevo), hf or hf_llama (a Hugging Face folder: LlamaForCausalLM, InternLMForCausalLM, InternLM2ForCausalLM). Other formats load the model only.")
 
 
 @dataclass
@@ -174,7 +174,7 @@ class CkptConfig:
     checkpoint_every: int = f(50, "Save every this many steps.")
     oss_snapshot_freq: int = f(0, "Save a snapshot every this many steps into two alternating slots (0: off).")
     load_ckpt_info: Optional[LoadCkptInfo] = f(None, "Checkpoint to load at start (see LoadCkptInfo).")
-    auto_resume: bool = f(True, "Resume from the newest complete checkpoint under save_ckpt_folder, if any.")
+    auto_resume: bool = f(True, "As InternLM: resume from the newest complete checkpoint under save_ckpt_folder, replacing load_ckpt_info; when there is none the run starts fresh (load_ckpt_info unused: set False to load it). InternLM's legacy load_given_ckpt=True means False.")
     async_upload: bool = f(True, "Write and upload checkpoints in the background.")
     async_upload_tmp_folder: Optional[str] = f(None, "Local staging folder for uploads to object storage.")
     stop_file_path: Optional[str] = f(None, "A file holding an integer N: save at step |N|, and stop if N > 0.")
@@ -198,11 +198,11 @@ class MonitorConfig:
     """Monitoring (InternLM's `monitor`)."""
 
     alert: AlertConfig = f(factory=AlertConfig, help="Alert destinations.")
-    hang_timeout: float = f(0.0, "Alert and dump stacks if no step completes within this many seconds (0: off).")
-    loss_spike_ratio: float = f(0.0, "Alert when loss exceeds this ratio of its running average (0: off).")
+    hang_timeout: Optional[float] = f(None, "Alert and dump stacks if no step completes within this many seconds (0: off; None: InternLM's 300 s when an alert destination is set, else off).")
+    loss_spike_ratio: Optional[float] = f(None, "Alert when loss exceeds this ratio of its running average (0: off; None: InternLM's 1.5 when an alert destination is set, else off).")
     max_consecutive_inf_nan: int = f(10, "Stop after this many consecutive inf/nan steps (0: never stop).")
     log_every: int = f(1, "Console metrics line every this many steps (metrics.jsonl always gets every step).")
-    tensorboard: bool = f(True, "Write TensorBoard event files into the run folder.")
+    tensorboard: bool = f(True, "Write TensorBoard event files into the run folder (InternEvo's dict(queue_max_length=...) means True).")
     memory_report: bool = f(False, "Write a memory report (peak per step, breakdown) into the run folder.")
 
 

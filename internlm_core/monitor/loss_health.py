@@ -157,9 +157,16 @@ class LossHealthMonitor(TrainerCallback):
         self.spikes = int(sd.get("spikes", 0))
 
 
+INTERNLM_LOSS_SPIKE_RATIO = 1.5  # InternLM's loss_spike_limit with alerts on
+
+
 def build_loss_health(monitor_cfg: Any, alerts: Optional[AlertManager] = None, rank: int = 0,
                       **kwargs: Any) -> LossHealthMonitor:
-    """A LossHealthMonitor from `cfg.monitor` (loss_spike_ratio, max_consecutive_inf_nan)."""
-    return LossHealthMonitor(spike_ratio=getattr(monitor_cfg, "loss_spike_ratio", 0.0),
+    """A LossHealthMonitor from `cfg.monitor` (loss_spike_ratio, max_consecutive_inf_nan); an unset (None)
+    loss_spike_ratio is InternLM's 1.5 when alerts go somewhere, else off."""
+    ratio = getattr(monitor_cfg, "loss_spike_ratio", 0.0)
+    if ratio is None:
+        ratio = INTERNLM_LOSS_SPIKE_RATIO if alerts is not None and alerts.enabled else 0.0
+    return LossHealthMonitor(spike_ratio=ratio,
                              max_consecutive_inf_nan=getattr(monitor_cfg, "max_consecutive_inf_nan", 10),
                              alerts=alerts, rank=rank, **kwargs)

@@ -156,7 +156,14 @@ class HangWatchdog(TrainerCallback):
         self.stop()
 
 
+INTERNLM_HANG_TIMEOUT_S = 300.0  # InternLM's monitor_interval_seconds with alerts on
+
+
 def build_watchdog(monitor_cfg: Any, alerts: Optional[AlertManager] = None, rank: int = 0) -> Optional[HangWatchdog]:
-    """A HangWatchdog from `cfg.monitor.hang_timeout`; None when it is 0 (off)."""
-    timeout = float(getattr(monitor_cfg, "hang_timeout", 0) or 0)
+    """A HangWatchdog from `cfg.monitor.hang_timeout`; None when it is 0 (off). Unset (None): InternLM's 300 s
+    when alerts go somewhere, else off."""
+    timeout = getattr(monitor_cfg, "hang_timeout", 0)
+    if timeout is None:
+        timeout = INTERNLM_HANG_TIMEOUT_S if alerts is not None and alerts.enabled else 0
+    timeout = float(timeout or 0)
     return HangWatchdog(timeout, alerts=alerts, rank=rank) if timeout > 0 else None

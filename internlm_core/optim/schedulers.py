@@ -6,6 +6,10 @@ import math
 
 import torch
 
+from ..utils.logging import get_logger
+
+logger = get_logger(__name__)
+
 
 class WarmupCosineLR:
     """lr(t) = lr * (t+1)/W for t < W, then eta_min + (lr - eta_min) * (1 + cos(pi * (t-W)/(T-W))) / 2.
@@ -49,8 +53,14 @@ class WarmupCosineLR:
         return {"last_step": self.last_step, "base_lrs": list(self.base_lrs)}
 
     def load_state_dict(self, sd: dict) -> None:
+        """The schedule's position from `sd`; the peak learning rate stays this run's (adam.lr): a changed one
+        replaces the checkpoint's, as InternLM's load_scheduler does (with its warning)."""
         self.last_step = int(sd["last_step"])
-        self.base_lrs = [float(x) for x in sd["base_lrs"]]
+        saved = [float(x) for x in sd["base_lrs"]]
+        if saved != self.base_lrs:
+            logger.warning(f"Using new learning rate {self.base_lrs[0]} to replace old learn rate {saved[0]}.")
+        for g, lr in zip(self.optimizer.param_groups, self.base_lrs):
+            g["initial_lr"] = lr  # the loaded optimizer state carried the old one
         self._apply()
 
 

@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 
 from ..config import Config, dump_yaml
+from ..config.loader import compat_lines
 from ..distributed import LaunchInfo, ParallelDims, set_deterministic, set_seed
 from ..loss import FlashGPTLMLoss
 from ..metrics import AccPerplex, Throughput
@@ -126,7 +127,7 @@ def build_checkpoint_manager(cfg: Config, trainer: Trainer, launch: LaunchInfo, 
     load_ckpt_info's: model, optimizer, scheduler, sampler)."""
     ckpt = CheckpointManager(cfg.ckpt, rank=launch.rank, world_size=launch.world_size, local_rank=launch.local_rank,
                              dims=trainer.dims, config_text=dump_yaml(cfg), alerts=alerts)
-    ckpt.register_model(trainer.model, trainer.optimizer)
+    ckpt.register_model(trainer.model, trainer.optimizer, model_type=cfg.model_type)
     ckpt.register("grad_scaler", trainer.grad_scaler, content="optimizer")  # None (skipped) unless fp16
     ckpt.register("lr_scheduler", trainer.lr_scheduler, content="scheduler")
     ckpt.register("beta2_scheduler", trainer.beta2_scheduler, content="scheduler")
@@ -143,6 +144,8 @@ def build_trainer(cfg: Config, launch: LaunchInfo, run_dir: Path, seed: Optional
                   profiling: bool = False) -> Trainer:
     """Build every component of a run; loading a checkpoint (if any) is left to `CheckpointManager`."""
     seed = cfg.seed if seed is None else seed
+    for line in compat_lines(cfg):  # InternLM/InternEvo keys kept for compatibility only, forms translated
+        logger.info(line)
     precision = resolve_precision(cfg.model.dtype, launch.device)
     setup_numerics(cfg, seed, precision)
     dims = ParallelDims.from_config(cfg.parallel, launch.world_size)

@@ -64,7 +64,9 @@ def test_two_ranks_sigkill_then_auto_resume_is_bitwise(tmp_path):
 def driver_args(run: Path, ckpt: Path, steps: int, *extra: str) -> list[str]:
     return ["--config", "configs/tiny.py", "--run-dir", str(run), "--set", f"data.total_steps={steps}",
             "data.valid_every=0", "monitor.tensorboard=False", "ckpt.enable_save_ckpt=True",
-            f"ckpt.save_ckpt_folder={ckpt}", "ckpt.checkpoint_every=1000", *extra]
+            f"ckpt.save_ckpt_folder={ckpt}", "ckpt.checkpoint_every=1000", *extra,
+            # with a load_ckpt_info: auto_resume off (on, as in InternLM, it replaces load_ckpt_info)
+            *(["ckpt.auto_resume=False"] if any(e.startswith("ckpt.load_ckpt_info=") for e in extra) else [])]
 
 
 def run_driver(out: Path, args: list[str], nproc: int):

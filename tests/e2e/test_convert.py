@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 from internlm_core.checkpoint import CheckpointManager
 from internlm_core.checkpoint.hf import load_hf_llama
-from internlm_core.checkpoint.hf_names import config_from_hf
+from internlm_core.checkpoint.hf import config_from_hf
 from internlm_core.config import dump_yaml, load_config
 from internlm_core.distributed import ParallelDims, destroy_distributed, init_distributed
 from internlm_core.loss import FlashGPTLMLoss
@@ -182,7 +182,7 @@ def test_train_py_imports_hf_llama_under_fsdp(tmp_path):
     exports back to the very tensors of the Hugging Face folder."""
     from safetensors.torch import load_file
 
-    from internlm_core.checkpoint.hf_names import config_from_hf
+    from internlm_core.checkpoint.hf import config_from_hf
     from internlm_core.checkpoint.safetensors_io import read_hf_tensors
     from tests.helpers.launch import read_metrics, run_train
 
@@ -192,7 +192,8 @@ def test_train_py_imports_hf_llama_under_fsdp(tmp_path):
     info = {"path": str(hf_dir), "content": ["model"], "ckpt_type": "hf_llama"}
     sets = ["model_type=LLAMA", *[f"model.{k}={v}" for k, v in keys.items()], "data.seq_len=64", "data.total_steps=1",
             "data.valid_every=0", "adam.lr=0.0", "lr_scheduler.eta_min=0.0", "parallel.zero1=-1",
-            f"ckpt.load_ckpt_info={info!r}", "ckpt.enable_save_ckpt=True", f"ckpt.save_ckpt_folder={ckpts}",
+            f"ckpt.load_ckpt_info={info!r}", "ckpt.auto_resume=False", "ckpt.enable_save_ckpt=True",
+            f"ckpt.save_ckpt_folder={ckpts}",
             "ckpt.checkpoint_every=1"]
     p = run_train(["--config", "configs/tiny.py", "--run-dir", str(tmp_path / "run"), "--set", *sets], nproc=2)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]

@@ -83,7 +83,7 @@ def test_killed_while_writing_keeps_previous_checkpoint(tmp_path, reference, fau
 def test_model_only_load_starts_fresh_optimizer_and_schedule(tmp_path, reference):
     ref, ref_ckpt = reference
     info = f"ckpt.load_ckpt_info={{'path': '{ref_ckpt / str(STEPS)}', 'content': ('model',)}}"
-    p = run_train(train_args(tmp_path / "run", tmp_path / "ckpt", info, "data.total_steps=5",
+    p = run_train(train_args(tmp_path / "run", tmp_path / "ckpt", info, "ckpt.auto_resume=False", "data.total_steps=5",
                              f"lr_scheduler.total_steps={STEPS}"))
     assert p.returncode == 0, output(p)
     assert f"loaded {ref_ckpt / str(STEPS)} (step {STEPS}, regular; content model)" in p.stdout

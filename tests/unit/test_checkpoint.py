@@ -26,8 +26,11 @@ LAUNCH = LaunchInfo("none", 0, 1, 0, torch.device("cpu"), None)
 
 
 def build(tmp_path: Path, run: str, steps: int, *sets: str, ckpt: Path | None = None):
-    """A real trainer of configs/tiny.py that saves into `ckpt` (default tmp_path/ckpt) and auto-resumes from it."""
+    """A real trainer of configs/tiny.py that saves into `ckpt` (default tmp_path/ckpt) and auto-resumes from it
+    (with a load_ckpt_info: loads that instead, auto_resume off as InternLM needs it)."""
     ckpt = ckpt or tmp_path / "ckpt"
+    if any(s.startswith("ckpt.load_ckpt_info=") for s in sets):
+        sets = (*sets, "ckpt.auto_resume=False")
     cfg = load_config(ROOT / "configs/tiny.py", [
         f"data.total_steps={steps}", "data.valid_every=0", "monitor.tensorboard=False", "monitor.log_every=1000",
         "ckpt.enable_save_ckpt=True", f"ckpt.save_ckpt_folder={ckpt}", "ckpt.checkpoint_every=1000", *sets])

@@ -13,10 +13,11 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 transformers = pytest.importorskip("transformers")
 
-from internlm_core.checkpoint.hf import export_hf, load_hf_llama  # noqa: E402
-from internlm_core.checkpoint.hf_names import (config_from_hf, expected_parameter_names,  # noqa: E402
-                                               from_hf_state_dict, hf_to_ours_name, ours_to_hf_name,
-                                               to_hf_state_dict)
+from internlm_core.checkpoint.hf import config_from_hf, export_hf, load_hf_llama  # noqa: E402
+from internlm_core.model import AdapterContext  # noqa: E402
+from internlm_core.model.internlm.hf import (llama_from_hf as from_hf, llama_to_hf as to_hf,  # noqa: E402
+                                             llama_to_ours_name as hf_to_ours_name,
+                                             ours_to_llama_name as ours_to_hf_name)
 from internlm_core.checkpoint.safetensors_io import parse_size, plan_shards  # noqa: E402
 from internlm_core.checkpoint.tokenizer_export import write_tokenizer_files  # noqa: E402
 from internlm_core.config import load_config  # noqa: E402
@@ -51,8 +52,14 @@ def hf_load(path):
 
 # ---- names -----------------------------------------------------------------------------------------------
 
+def tied(tie: bool) -> AdapterContext:
+    class Args:
+        tie_word_embeddings = tie
+    return AdapterContext(Args())
+
+
 def test_names_map_one_to_one_both_ways():
-    names = expected_parameter_names(3, qkv_bias=True)
+    names = list(build_model(tiny_cfg("INTERNLM", "model.num_layers=3"), "meta").state_dict())
     hf = [ours_to_hf_name(n) for n in names]
     assert len(set(hf)) == len(names) == 1 + 3 * (9 + 4) + 2
     assert [hf_to_ours_name(h) for h in hf] == names
@@ -69,10 +76,11 @@ def test_names_map_one_to_one_both_ways():
 
 def test_tied_output_is_dropped_on_export_and_restored_on_import():
     e = torch.ones(4, 2)
-    hf = to_hf_state_dict({"tok_embeddings.weight": e, "output.weight": e, "norm.weight": torch.ones(2)}, True)
+    hf = to_hf({"tok_embeddings.weight": e, "output.weight": e, "norm.weight": torch.ones(2)}, tied(True))
     assert sorted(hf) == ["model.embed_tokens.weight", "model.norm.weight"]
-    back = from_hf_state_dict(hf, tie_word_embeddings=True)
+    back = from_hf(hf, tied(True))
     assert back["output.weight"] is e
+    assert list(to_hf({"output.weight": e}, tied(True))) == ["model.embed_tokens.weight"]  # a last pipeline stage
 
 
 def test_sizes_and_shard_plan():
@@ -100,7 +108,7 @@ def test_export_logits_equal_transformers(tmp_path, model_type, extra):
     assert len(shards) > 1 and shards[-1].endswith(f"-of-{len(shards):05d}.safetensors")
     index = json.loads((tmp_path / "model.safetensors.index.json").read_text())
     assert set(index["weight_map"].values()) == set(shards)
-    assert len(index["weight_map"]) == len(to_hf_state_dict(model.state_dict(), cfg.model.tie_word_embeddings))
+    assert len(index["weight_map"]) == len(to_hf(model.state_dict(), tied(cfg.model.tie_word_embeddings)))
 
     hf = hf_load(tmp_path)
     assert type(hf).__name__ == "LlamaForCausalLM"
@@ -144,7 +152,7 @@ def test_export_bf16_by_default_for_bf16_runs(tmp_path):
 
 def test_export_refuses_post_norm_and_bad_state(tmp_path):
     cfg = tiny_cfg("INTERNLM", "model.apply_post_layer_norm=True")
-    with pytest.raises(CheckpointError, match="post-norm blocks have no Hugging Face Llama equivalent"):
+    with pytest.raises(CheckpointError, match="post-norm blocks have no Hugging Face equivalent"):
         export_hf(tmp_path / "a", cfg, random_model(cfg).state_dict(), tokenizer=None)
     cfg = tiny_cfg("INTERNLM")
     sd = dict(random_model(cfg).state_dict())
@@ -227,7 +235,7 @@ def test_config_from_hf_refuses_what_we_do_not_implement(tmp_path):
         ({"rope_parameters": {"rope_type": "llama3", "rope_theta": 5e5, "factor": 8.0}}, "rope scaling"),
         ({"mlp_bias": True}, "mlp_bias=true"),
         ({"head_dim": 32}, "head_dim 32 \\* num_attention_heads 6 != hidden_size 96"),
-        ({"model_type": "mistral"}, "model_type 'mistral'; only Hugging Face Llama"),
+        ({"model_type": "mistral"}, "model_type 'mistral' \\(LlamaForCausalLM\\); internlm-core reads"),
     ]:
         (tmp_path / "config.json").write_text(json.dumps({**c, **change}))
         with pytest.raises(CheckpointError, match=message):

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from ..args import analytic_parameter_count, args_from_model_config, flops_per_token
 from ..spec import ModelSpec, register_model
+from .hf import INTERNLM_HF, LLAMA_HF
+from .internlm_ckpt import INTERNLM_CKPT
 from .model import Transformer
 from .parallelize import PLAN
 from .rules import bias_default, validate_transformer
@@ -25,4 +27,5 @@ SPEC = register_model(ModelSpec(
     num_parameters=analytic_parameter_count,
     flops_per_token=flops_per_token,
     sizes=SIZES,
+    adapters={"hf": INTERNLM_HF, "hf_llama": LLAMA_HF, "internlm": INTERNLM_CKPT},
 ))

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 from ..args import analytic_parameter_count, args_from_model_config, flops_per_token
+from ..internlm.hf import LLAMA_HF
 from ..internlm.model import Transformer
 from ..internlm.parallelize import PLAN
 from ..internlm.rules import bias_default, validate_transformer
 from ..spec import ModelSpec, register_model
+from .hf import INTERNEVO_CKPT, INTERNLM2_HF
 
 # InternLM2's published shapes (internlm/internlm2-7b, -20b on Hugging Face)
 SIZES = {
@@ -28,4 +30,5 @@ SPEC = register_model(ModelSpec(
     num_parameters=analytic_parameter_count,
     flops_per_token=flops_per_token,
     sizes=SIZES,
+    adapters={"hf": INTERNLM2_HF, "hf_llama": LLAMA_HF, "internlm": INTERNEVO_CKPT},
 ))

@@ -7,6 +7,7 @@ from ..internlm.model import Transformer
 from ..internlm.parallelize import PLAN
 from ..internlm.rules import bias_default, validate_transformer
 from ..spec import ModelSpec, register_model
+from .hf import ADAPTERS
 
 # Meta's published shapes (Llama 2 paper, table 1 and the released configs)
 SIZES = {
@@ -28,4 +29,5 @@ SPEC = register_model(ModelSpec(
     num_parameters=analytic_parameter_count,
     flops_per_token=flops_per_token,
     sizes=SIZES,
+    adapters=ADAPTERS,
 ))

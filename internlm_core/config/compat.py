@@ -1,0 +1,386 @@
+"""InternLM's and InternEvo's config forms, mapped onto the schema before it is validated.
+
+Users bring config files of InternLM (InternLM/InternLM at aaaf4d7 and its develop branch) and of InternEvo. Every
+key of those files either maps onto one of ours (`parallel.tensor=dict(size, mode)` onto tensor and sequence
+parallel, `model.no_bias` onto `model.qkv_bias`, the legacy `ckpt.load_ckpt_folder` onto `load_ckpt_info`, ...),
+is kept for compatibility only (listed in one log line at start: nothing is ignored silently), or names a feature
+this framework does not have (MoE, 2D sequence parallel, dropout): then one ConfigError says so.
+
+    raw, notes = normalize(raw)        # notes.compat: keys without effect; notes.mapped: forms that were translated
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional
+
+from ..errors import ConfigError
+
+# InternEvo's parallel.tensor modes and InternLM develop's spellings of them → (sequence parallel, what it means)
+_TENSOR_MODES = {
+    "mtp": False, "origin_tp": False, "none": False,
+    "msp": True, "megatron": True,
+    "fsp": True, "fstp": True, "flash-attn": True,
+    "isp": True, "intern": True,
+}
+_ISP = ("isp", "intern")
+_SP_SPELLINGS = {"none": "mtp", "megatron": "msp", "flash-attn": "fsp", "intern": "isp"}  # develop's tensor.sp
+
+MOE_HINT = ("internlm-core trains dense models only; remove the MoE keys (model_type *MoE*, model.num_experts, "
+            "model.moe_type, model.top_k, loss.moe_loss_coeff, parallel.expert*) to train the dense model")
+
+
+@dataclass
+class CompatNotes:
+    """What normalize() did: keys kept for compatibility only, and InternLM forms translated to ours."""
+
+    compat: list[str] = field(default_factory=list)
+    mapped: list[str] = field(default_factory=list)
+
+    def lines(self) -> list[str]:
+        """At most two log lines: the compatibility-only keys, then the translations."""
+        out = []
+        if self.compat:
+            out.append("config keys kept for compatibility only (no effect here, see README 'Coming from InternLM "
+                       "or InternEvo'): " + ", ".join(self.compat))
+        if self.mapped:
+            out.append("config forms of InternLM/InternEvo mapped: " + "; ".join(self.mapped))
+        return out
+
+
+# ---- compatibility-only keys: (section, key) -> why it has no effect (None: a plain "no effect") -------------------
+# A value predicate refuses values that would change the model or the training (then the message is the error).
+Rule = tuple[Optional[Callable[[Any], bool]], str]
+
+_COMPAT: dict[tuple[str, str], Rule] = {
+    ("model", "embed_split_hidden"): (None, "DTensor plans decide the embedding's sharding"),
+    ("model", "qk_interleaved"): (None, "rotary layout of InternEvo's q/k channels; InternEvo checkpoints are "
+                                        "permuted on load as its model_config.pt says"),
+    ("model", "adapt_hf"): (None, "the same as qk_interleaved (inverted)"),
+    ("model", "residual_in_fp32"): (None, "residuals follow model.dtype and autocast"),
+    ("model", "dropout_selective_checkpoint"): (None, "activation checkpointing is model.checkpoint"),
+    ("model", "use_scaled_init"): (None, "every matrix starts from N(0, model.init_std)"),
+    ("model", "init_type"): (lambda v: v in ("normal",), "only normal initialization is implemented"),
+    ("model", "embedding_init_std"): (None, "model.init_std"),
+    ("model", "attn_wqkv_init_std"): (None, "model.init_std"),
+    ("model", "attn_other_init_std"): (None, "model.init_std"),
+    ("model", "ffn_uplayer_init_std"): (None, "model.init_std"),
+    ("model", "ffn_other_init_std"): (None, "model.init_std"),
+    ("model", "out_head_init_std"): (None, "model.init_std"),
+    ("model", "mlp_layer_fusion"): (None, "kernel choice"),
+    ("model", "max_position_embeddings"): (None, "rotary tables are built for data.seq_len"),
+    ("model", "rope_type"): (lambda v: str(v).lower() in ("normal", "default", "origin"),
+                             "only the original rotary embedding is implemented"),
+    ("model", "use_dynamic_ntk_rope"): (lambda v: not v, "dynamic NTK rotary scaling is not implemented"),
+    ("model", "use_swiglu"): (lambda v: bool(v), "the feed-forward is SwiGLU only"),
+    ("model", "norm_head"): (lambda v: not v, "a normalized output head is not implemented"),
+    ("model", "is_reward"): (lambda v: not v, "reward models are not implemented"),
+    ("model", "deepnorm"): (lambda v: not v, "DeepNorm is not implemented"),
+    ("model", "attn_drop_rate"): (lambda v: not v, "dropout is not implemented (0 only)"),
+    ("model", "drop_rate"): (lambda v: not v, "dropout is not implemented (0 only)"),
+    ("model", "num_experts"): (lambda v: int(v) <= 1, "MoE is not supported"),
+    ("model", "moe_use_residual"): (None, "no experts"),
+    ("model", "moe_type"): (None, "no experts"),
+    ("model", "top_k"): (None, "no experts"),
+    ("model", "checkpoint_fraction"): (None, "model.checkpoint takes the fraction"),
+    ("parallel", "zero1.fsdp"): (None, "sharding is always FSDP2 when parallel.zero1 != 1"),
+    ("parallel", "pipeline.interleaved_overlap"): (None, "torch.distributed.pipelining schedules communication"),
+    ("parallel", "pipeline.zero_bubble"): (None, "the schedule is 1F1B (interleaved with model.num_chunks > 1)"),
+    ("parallel", "pipeline.mode"): (None, "the schedule is 1F1B (interleaved with model.num_chunks > 1)"),
+    ("parallel", "tensor.overlap"): (None, "communication overlap is the compiler's and NCCL's"),
+    ("parallel", "tensor.intern_overlap"): (None, "communication overlap is the compiler's and NCCL's"),
+    ("parallel", "tensor.memory_pool"): (None, "the caching allocator"),
+    ("parallel", "weight.overlap"): (None, "FSDP2 prefetches parameters"),
+    ("parallel", "weight.memory_pool"): (None, "the caching allocator"),
+    ("parallel", "weight.launch_allgather_before"): (None, "FSDP2 prefetches parameters"),
+    ("parallel", "weight.forward_overlap_per"): (None, "FSDP2 prefetches parameters"),
+    ("parallel", "expert"): (None, "no experts"),
+    ("parallel", "expert_weight"): (None, "no experts"),
+    ("parallel", "expert_zero1"): (None, "no experts"),
+    ("parallel", "sequence_2D"): (lambda v: not (isinstance(v, dict) and v.get("enable")),
+                                  "2D sequence parallel (head x context) is not implemented; the nearest layout is "
+                                  "parallel.tensor=dict(size=N, mode='msp') (tensor + sequence parallel)"),
+    ("hybrid_zero_optimizer", "overlap_sync_grad"): (None, "FSDP2 overlaps gradient reduction"),
+    ("hybrid_zero_optimizer", "overlap_sync_param"): (None, "FSDP2 prefetches parameters"),
+    ("hybrid_zero_optimizer", "reduce_bucket_size"): (None, "FSDP2 reduces per block"),
+    ("hybrid_zero_optimizer", "zero_overlap_communication"): (None, "FSDP2 overlaps gradient reduction"),
+    ("lr_scheduler", "last_epoch"): (None, "the schedule's position is restored from checkpoints"),
+    ("loss", "op_type"): (None, "the cross-entropy kernel is chosen by numerics.select_kernels"),
+    ("loss", "moe_loss_coeff"): (None, "no experts"),
+    ("data", "use_packed_dataset"): (lambda v: bool(v), "documents are always packed into rows"),
+    ("data", "use_shm"): (None, "the index cache (data.index_cache_folder) is shared by the ranks"),
+    ("data", "shm_path"): (None, "the index cache (data.index_cache_folder) is shared by the ranks"),
+    ("data", "tokenizer_chunk_num"): (None, "streaming tokenizes in the loader"),
+    ("data", "gradient_accumulation"): (None, "data.micro_num is the accumulation"),
+    ("ckpt", "snapshot_ckpt_folder"): (None, "snapshots go to save_ckpt_folder/snapshot"),
+    ("ckpt", "universal_ckpt"): (None, "checkpoints load into any layout already (DCP)"),
+    ("monitor", "alert.light_monitor_address"): (None, "InternLM's light-monitor heartbeat is not sent; hangs are "
+                                                       "watched by monitor.hang_timeout"),
+    ("", "generation"): (None, "generation settings are not used by training"),
+    ("", "metric_dtype"): (None, "metrics are computed in fp32"),
+    ("", "tensorboard_folder"): (None, "TensorBoard writes into the run folder"),
+    ("", "resume_tb_folder"): (None, "a resumed run writes on in its checkpoint's TensorBoard folder"),
+}
+
+# the schema fields that exist only to keep InternLM's keys (the values are accepted, nothing uses them)
+_SCHEMA_COMPAT = {("model", "embed_split_hidden"), ("parallel", "zero1_fsdp"), ("parallel", "interleaved_overlap"),
+                  ("hybrid_zero_optimizer", "overlap_sync_grad"), ("hybrid_zero_optimizer", "overlap_sync_param"),
+                  ("hybrid_zero_optimizer", "reduce_bucket_size"), ("lr_scheduler", "last_epoch"),
+                  ("monitor", "alert.light_monitor_address")}
+
+
+def _key(section: str, key: str) -> str:
+    return f"{section}.{key}" if section else key
+
+
+def _take(section_dict: dict, section: str, key: str, notes: CompatNotes) -> None:
+    """Remove a compatibility-only key (or keep it when the schema has the field), noting it; refuse values that
+    would change the model."""
+    path = key.split(".")
+    node = section_dict
+    for p in path[:-1]:
+        node = node.get(p) if isinstance(node, dict) else None
+        if not isinstance(node, dict):
+            return
+    if path[-1] not in node:
+        return
+    value = node[path[-1]]
+    ok, why = _COMPAT[(section, key)]
+    if ok is not None and not ok(value):
+        raise ConfigError(f"{_key(section, key)}={value!r}: {why}")
+    notes.compat.append(_key(section, key))
+    if (section, key) not in _SCHEMA_COMPAT:
+        del node[path[-1]]
+
+
+def _is_moe(raw: dict) -> Optional[str]:
+    """What makes `raw` a mixture-of-experts config, or None."""
+    mt = raw.get("model_type")
+    if isinstance(mt, str) and "moe" in mt.lower():
+        return f"model_type {mt!r}"
+    model = raw.get("model") if isinstance(raw.get("model"), dict) else {}
+    n = model.get("num_experts")
+    if isinstance(n, (int, float)) and not isinstance(n, bool) and n > 1:
+        return f"model.num_experts={n}"
+    if isinstance(raw.get("moe"), dict):
+        return "the moe section"
+    par = raw.get("parallel") if isinstance(raw.get("parallel"), dict) else {}
+    exp = par.get("expert")
+    if isinstance(exp, dict) and exp.get("size", -1) not in (-1, 0, 1) and n not in (None, 0, 1):
+        return f"parallel.expert={exp}"
+    return None
+
+
+def _parallel(raw: dict, notes: CompatNotes) -> None:
+    par = raw.get("parallel")
+    if not isinstance(par, dict):
+        return
+    par = raw["parallel"] = dict(par)
+    z = par.get("zero1")
+    if isinstance(z, dict):
+        z = dict(z)
+        unknown = sorted(set(z) - {"size", "fsdp"})
+        if unknown:
+            raise ConfigError(f"parallel.zero1: unknown key(s) {unknown}; expected size, fsdp")
+        par["zero1"] = z.get("size", -1)
+        if "fsdp" in z:
+            notes.compat.append("parallel.zero1.fsdp")
+            par["zero1_fsdp"] = bool(z["fsdp"])
+    p = par.get("pipeline")
+    if isinstance(p, dict):
+        p = dict(p)
+        unknown = sorted(set(p) - {"size", "interleaved_overlap", "mode", "zero_bubble"})
+        if unknown:
+            raise ConfigError(f"parallel.pipeline: unknown key(s) {unknown}; expected size, interleaved_overlap, mode")
+        par["pipeline"] = p.get("size", 1)
+        if "interleaved_overlap" in p:
+            notes.compat.append("parallel.pipeline.interleaved_overlap")
+            par["interleaved_overlap"] = bool(p["interleaved_overlap"])
+        for k in ("mode", "zero_bubble"):
+            if k in p:
+                notes.compat.append(f"parallel.pipeline.{k}")
+    t = par.get("tensor")
+    tensor_mode = None
+    if isinstance(t, dict):
+        t = dict(t)
+        unknown = sorted(set(t) - {"size", "mode", "sp", "overlap", "intern_overlap", "memory_pool"})
+        if unknown:
+            raise ConfigError(f"parallel.tensor: unknown key(s) {unknown}; expected size, mode (mtp, msp, fsp, isp), "
+                              f"overlap, sp, intern_overlap, memory_pool")
+        size = t.get("size", 1)
+        mode = t.get("mode")
+        if mode is None and "sp" in t:
+            mode = t["sp"]
+        mode = "mtp" if mode is None else str(mode)
+        if mode not in _TENSOR_MODES:
+            raise ConfigError(f"parallel.tensor.mode: expected one of mtp, msp, fsp, isp (or origin_tp, fstp), "
+                              f"got {mode!r}")
+        tensor_mode = _SP_SPELLINGS.get(mode, mode)
+        par["tensor"] = size
+        for k in ("overlap", "intern_overlap", "memory_pool"):
+            if k in t:
+                notes.compat.append(f"parallel.tensor.{k}")
+        if _TENSOR_MODES[mode] and isinstance(size, int) and size > 1:
+            par["sequence_parallel"] = True
+        if mode in _ISP:
+            notes.mapped.append(f"parallel.tensor.mode={mode!r} (InternEvo's intern sequence parallel, size {size}) "
+                                f"runs as tensor parallel {size} with sequence parallel: the same {size} ranks share "
+                                f"each sample and hold 1/{size} of every weight; only the communication differs")
+        elif mode != "mtp":
+            notes.mapped.append(f"parallel.tensor.mode={mode!r} -> tensor parallel {size}"
+                                + (" with sequence parallel" if par.get("sequence_parallel") else ""))
+    w = par.pop("weight", None)
+    if w is not None:
+        w = {"size": w} if isinstance(w, int) else dict(w)
+        unknown = sorted(set(w) - {"size", "overlap", "memory_pool", "launch_allgather_before",
+                                   "forward_overlap_per"})
+        if unknown:
+            raise ConfigError(f"parallel.weight: unknown key(s) {unknown}; expected size, overlap, memory_pool")
+        wsize = w.get("size", 1)
+        if isinstance(wsize, int) and wsize > 1:
+            if tensor_mode != "isp":
+                raise ConfigError(f"parallel.weight.size={wsize}: weight parallel needs parallel.tensor.mode='isp' "
+                                  f"(InternEvo's rule); to shard parameters use parallel.zero1 (FSDP over data "
+                                  f"parallel)")
+            notes.mapped.append(f"parallel.weight.size={wsize} (weight parallel: each parameter sharded and "
+                                f"gathered per layer) is what FSDP2 does here, over the data-parallel ranks "
+                                f"(parallel.zero1={par.get('zero1', -1)})")
+        else:
+            notes.compat.append("parallel.weight")
+        for k in ("overlap", "memory_pool", "launch_allgather_before", "forward_overlap_per"):
+            if k in w:
+                notes.compat.append(f"parallel.weight.{k}")
+    for key in ("expert", "expert_weight", "expert_zero1", "sequence_2D"):
+        if key in par:
+            _take(par, "parallel", key, notes)
+
+
+def _model(raw: dict, notes: CompatNotes) -> None:
+    model = raw.get("model")
+    if not isinstance(model, dict):
+        return
+    model = raw["model"] = dict(model)
+    if "no_bias" in model:
+        no_bias = model.pop("no_bias")
+        if model.get("qkv_bias") is None:
+            model["qkv_bias"] = not bool(no_bias)
+        notes.mapped.append(f"model.no_bias={no_bias} -> model.qkv_bias={model['qkv_bias']}")
+    if "tie_embeddings_and_output_weights" in model:
+        model.setdefault("tie_word_embeddings", bool(model.pop("tie_embeddings_and_output_weights")))
+    if "rope_scaling_factor" in model:
+        f = model.pop("rope_scaling_factor")
+        if f not in (None, 1, 1.0):
+            raise ConfigError(f"model.rope_scaling_factor={f!r}: rotary scaling is not implemented (1.0 only)")
+        notes.compat.append("model.rope_scaling_factor")
+    for (section, key) in list(_COMPAT):
+        if section == "model" and key in model:
+            _take(model, "model", key, notes)
+
+
+def _ckpt(raw: dict, notes: CompatNotes) -> None:
+    ckpt = raw.get("ckpt")
+    if not isinstance(ckpt, dict):
+        return
+    ckpt = raw["ckpt"] = dict(ckpt)
+    for key in ("save_ckpt_folder", "load_ckpt_folder", "load_model_only_folder"):
+        if isinstance(ckpt.get(key), str):
+            ckpt[key] = strip_local_prefix(ckpt[key])
+    info = ckpt.get("load_ckpt_info")
+    if isinstance(info, dict):
+        info = dict(info)
+        if isinstance(info.get("path"), str):
+            info["path"] = strip_local_prefix(info["path"])
+        ckpt["load_ckpt_info"] = info
+    # InternLM's legacy keys, read as internlm/initialize/legacy/launch.py reads them
+    folder = ckpt.pop("load_ckpt_folder", None)
+    model_only = ckpt.pop("load_model_only_folder", None)
+    load_optimizer = ckpt.pop("load_optimizer", True)
+    given = ckpt.pop("load_given_ckpt", None)
+    if ckpt.get("load_ckpt_info") is None and (folder is not None or model_only is not None):
+        if model_only is not None:
+            if folder is not None:
+                raise ConfigError("ckpt.load_ckpt_folder and ckpt.load_model_only_folder are both set; set one "
+                                  "(InternLM's rule)")
+            ckpt["load_ckpt_info"] = {"path": model_only, "content": ("model",), "ckpt_type": "internlm"}
+        elif isinstance(folder, str):
+            content = ("model", "sampler", "optimizer") if load_optimizer else ("model", "sampler")
+            ckpt["load_ckpt_info"] = {"path": folder, "content": content, "ckpt_type": "internlm"}
+        else:
+            raise ConfigError(f"ckpt.load_ckpt_folder: expected a path, got {folder!r}")
+        notes.mapped.append(f"legacy ckpt.load_{'model_only' if model_only is not None else 'ckpt'}_folder -> "
+                            f"load_ckpt_info={ckpt['load_ckpt_info']}")
+    elif folder is not None or model_only is not None:
+        notes.compat.append("ckpt.load_ckpt_folder (load_ckpt_info is set and wins, as in InternLM)"
+                            if folder is not None else "ckpt.load_model_only_folder (load_ckpt_info wins)")
+    if "auto_resume" not in ckpt and given is not None:
+        ckpt["auto_resume"] = not bool(given)
+        notes.mapped.append(f"legacy ckpt.load_given_ckpt={given} -> auto_resume={not bool(given)}")
+    for key in ("snapshot_ckpt_folder", "universal_ckpt"):
+        if key in ckpt:
+            _take(ckpt, "ckpt", key, notes)
+
+
+def _monitor(raw: dict, notes: CompatNotes) -> None:
+    if "alert_address" in raw:  # InternLM's old top-level alert address
+        address = raw.pop("alert_address")
+        mon = raw["monitor"] = dict(raw.get("monitor") or {})
+        alert = mon["alert"] = dict(mon.get("alert") or {})
+        if address and not alert.get("feishu_alert_address"):
+            alert["feishu_alert_address"] = address
+        notes.mapped.append("alert_address -> monitor.alert.feishu_alert_address")
+    if "enable_tb" in raw:
+        mon = raw["monitor"] = dict(raw.get("monitor") or {})
+        mon.setdefault("tensorboard", bool(raw.pop("enable_tb")))
+    mon = raw.get("monitor")
+    if not isinstance(mon, dict):
+        return
+    mon = raw["monitor"] = dict(mon)
+    if isinstance(mon.get("alert"), dict):
+        mon["alert"] = dict(mon["alert"])
+        _take(mon, "monitor", "alert.light_monitor_address", notes)
+    tb = mon.get("tensorboard")
+    if isinstance(tb, dict):
+        unknown = sorted(set(tb) - {"queue_max_length", "enable"})
+        if unknown:
+            raise ConfigError(f"monitor.tensorboard: unknown key(s) {unknown}; expected queue_max_length")
+        mon["tensorboard"] = bool(tb.get("enable", True))
+        if "queue_max_length" in tb:
+            notes.compat.append("monitor.tensorboard.queue_max_length")
+
+
+def strip_local_prefix(location: str) -> str:
+    """A location without InternLM's `local:` prefix; `boto3:` stays, it tells how to read the bucket string."""
+    return location[len("local:"):] if location.startswith("local:") else location
+
+
+def normalize(raw: dict) -> tuple[dict, CompatNotes]:
+    """Map InternLM's and InternEvo's forms onto the schema (a new dict; `raw` is not changed)."""
+    raw = copy.copy(raw)
+    notes = CompatNotes()
+    moe = _is_moe(raw)
+    if moe is not None:
+        raise ConfigError(f"MoE is not supported ({moe}): {MOE_HINT}")
+    if raw.get("use_apex_adam") is not None:
+        use = raw.pop("use_apex_adam")
+        if use:
+            adam = raw["adam"] = dict(raw.get("adam") or {})
+            adam.setdefault("fused", "apex")
+        notes.mapped.append(f"use_apex_adam={use} -> adam.fused")
+    _parallel(raw, notes)
+    _model(raw, notes)
+    _ckpt(raw, notes)
+    _monitor(raw, notes)
+    gs = raw.get("grad_scaler")
+    if isinstance(gs, dict) and isinstance(gs.get("fp16"), dict):
+        gs = dict(gs)
+        gs.update(gs.pop("fp16"))
+        raw["grad_scaler"] = gs
+    for (section, key) in _COMPAT:
+        if section in ("hybrid_zero_optimizer", "lr_scheduler", "loss", "data") and isinstance(raw.get(section), dict):
+            if key in raw[section]:
+                raw[section] = dict(raw[section])
+                _take(raw[section], section, key, notes)
+        elif section == "" and key in raw:
+            _take(raw, "", key, notes)
+    return raw, notes

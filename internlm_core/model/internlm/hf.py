@@ -1,0 +1,213 @@
+"""Hugging Face forms of the InternLM transformer: Llama's names (`LlamaForCausalLM`, every family of this module)
+and InternLM v1's `InternLMForCausalLM` (the same names and math, its own config.json and remote code).
+
+Names map one to one, no tensor is permuted:
+
+    tok_embeddings.weight                          model.embed_tokens.weight
+    layers.{i}.attention.w{q,k,v,o}.{weight,bias}  model.layers.{i}.self_attn.{q,k,v,o}_proj.{weight,bias}
+    layers.{i}.feed_forward.w1 (gate) / w2 (up) / w3 (down)   model.layers.{i}.mlp.{gate,up,down}_proj
+    layers.{i}.attention_norm / ffn_norm           model.layers.{i}.input_layernorm / post_attention_layernorm
+    norm.weight / output.weight                    model.norm.weight / lm_head.weight
+
+Rotary embeddings need no permutation: both sides rotate halves (channel i pairs with i + head_dim/2) with
+inv_freq = base ** (-2i / head_dim). transformers' LlamaAttention gives q/k/v/o all `bias=attention_bias`, which
+is InternLM v1's layout (bias on wq, wk, wv and wo); InternLMForCausalLM says `bias`.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any, Mapping, Optional
+
+import torch
+
+from ...errors import CheckpointError
+from ..args import ffn_width
+from ..spec import AdapterContext, StateDictAdapter
+
+_LAYER_MAP = (
+    ("attention.wq", "self_attn.q_proj"),
+    ("attention.wk", "self_attn.k_proj"),
+    ("attention.wv", "self_attn.v_proj"),
+    ("attention.wo", "self_attn.o_proj"),
+    ("feed_forward.w1", "mlp.gate_proj"),
+    ("feed_forward.w2", "mlp.up_proj"),
+    ("feed_forward.w3", "mlp.down_proj"),
+    ("attention_norm", "input_layernorm"),
+    ("ffn_norm", "post_attention_layernorm"),
+)
+_TOP_MAP = (
+    ("tok_embeddings.weight", "model.embed_tokens.weight"),
+    ("norm.weight", "model.norm.weight"),
+    ("output.weight", "lm_head.weight"),
+)
+_OURS_LAYER = re.compile(r"^layers\.(\d+)\.(.+)\.(weight|bias)$")
+_HF_LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)\.(weight|bias)$")
+EMBED = "model.embed_tokens.weight"
+
+
+def ours_to_llama_name(name: str) -> str:
+    """`layers.3.attention.wq.weight` → `model.layers.3.self_attn.q_proj.weight` (CheckpointError if unknown)."""
+    for ours, hf in _TOP_MAP:
+        if name == ours:
+            return hf
+    m = _OURS_LAYER.match(name)
+    if m:
+        for ours, hf in _LAYER_MAP:
+            if m.group(2) == ours:
+                return f"model.layers.{m.group(1)}.{hf}.{m.group(3)}"
+    raise CheckpointError(f"parameter {name!r} has no Hugging Face Llama equivalent")
+
+
+def llama_to_ours_name(name: str) -> str:
+    """`model.layers.3.mlp.gate_proj.weight` → `layers.3.feed_forward.w1.weight` (CheckpointError if unknown)."""
+    for ours, hf in _TOP_MAP:
+        if name == hf:
+            return ours
+    m = _HF_LAYER.match(name)
+    if m:
+        for ours, hf in _LAYER_MAP:
+            if m.group(2) == hf:
+                return f"layers.{m.group(1)}.{ours}.{m.group(3)}"
+    raise CheckpointError(f"Hugging Face tensor {name!r} has no counterpart in internlm-core's model (expected "
+                          f"model.embed_tokens, model.layers.N.{{self_attn,mlp,*_layernorm}}, model.norm, lm_head)")
+
+
+def llama_to_hf(sd: Mapping[str, torch.Tensor], ctx: AdapterContext) -> dict[str, torch.Tensor]:
+    """Our names → HF Llama names. Tied embeddings: HF saves the embedding only (a lone tied output gives it)."""
+    tie = bool(ctx.args.tie_word_embeddings)
+    out = {}
+    for k, v in sd.items():
+        if tie and k == "output.weight":
+            if "tok_embeddings.weight" not in sd:
+                out[EMBED] = v
+            continue
+        out[ours_to_llama_name(k)] = v
+    return out
+
+
+def llama_from_hf(hf: Mapping[str, torch.Tensor], ctx: AdapterContext) -> dict[str, torch.Tensor]:
+    """HF Llama names → ours; with tied embeddings `output.weight` is the embedding matrix."""
+    out = {llama_to_ours_name(k): v for k, v in hf.items() if not k.endswith("rotary_emb.inv_freq")}
+    if ctx.args.tie_word_embeddings and "tok_embeddings.weight" in out:
+        out["output.weight"] = out["tok_embeddings.weight"]
+    return out
+
+
+# ---- config.json ---------------------------------------------------------------------------------------------
+
+def _common_config(cfg: Any, torch_dtype: str, special_ids: Optional[Mapping[str, Optional[int]]]) -> dict:
+    m = cfg.model
+    if m.apply_post_layer_norm:
+        raise CheckpointError("model.apply_post_layer_norm=True: post-norm blocks have no Hugging Face "
+                              "equivalent; only pre-norm models can be exported")
+    if m.norm_type != "rmsnorm":
+        raise CheckpointError(f"model.norm_type={m.norm_type!r}: only rmsnorm models export to Hugging Face")
+    ids = dict(special_ids or {})
+    return {
+        "vocab_size": m.vocab_size, "hidden_size": m.hidden_size, "intermediate_size": ffn_width(m),
+        "num_hidden_layers": m.num_layers, "num_attention_heads": m.num_attention_heads,
+        "num_key_value_heads": m.num_kv_attention_heads or m.num_attention_heads, "hidden_act": "silu",
+        "max_position_embeddings": cfg.data.seq_len, "initializer_range": m.init_std,
+        "rms_norm_eps": m.layer_norm_epsilon, "rope_theta": float(m.rope_base),
+        "tie_word_embeddings": bool(m.tie_word_embeddings), "bos_token_id": ids.get("bos_token_id"),
+        "eos_token_id": ids.get("eos_token_id"), "pad_token_id": ids.get("pad_token_id"), "use_cache": True,
+        "torch_dtype": torch_dtype,
+    }
+
+
+def llama_config(cfg: Any, torch_dtype: str = "float32",
+                 special_ids: Optional[Mapping[str, Optional[int]]] = None) -> dict:
+    """The `config.json` of a `LlamaForCausalLM` equivalent to `cfg` (our Config); rope_theta is written at the top
+    level (transformers 4.x, vLLM) and in `rope_parameters` (transformers 5)."""
+    c = _common_config(cfg, torch_dtype, special_ids)
+    head_dim = cfg.model.hidden_size // cfg.model.num_attention_heads
+    return {"architectures": ["LlamaForCausalLM"], "model_type": "llama", **c, "head_dim": head_dim,
+            "rope_parameters": {"rope_type": "default", "rope_theta": float(cfg.model.rope_base)},
+            "attention_bias": bool(cfg.model.qkv_bias), "attention_dropout": 0.0, "mlp_bias": False,
+            "pretraining_tp": 1}
+
+
+def internlm_config(cfg: Any, torch_dtype: str = "float32",
+                    special_ids: Optional[Mapping[str, Optional[int]]] = None) -> dict:
+    """The `config.json` of an `InternLMForCausalLM` (InternLM v1's remote code, model_type "internlm")."""
+    c = _common_config(cfg, torch_dtype, special_ids)
+    if c["num_key_value_heads"] != c["num_attention_heads"]:
+        raise CheckpointError("InternLMForCausalLM has no grouped-query attention; export this model as Llama "
+                              "(--hf-arch llama) or InternLM2")
+    del c["num_key_value_heads"]
+    return {"architectures": ["InternLMForCausalLM"], "model_type": "internlm",
+            "auto_map": {"AutoConfig": "configuration_internlm.InternLMConfig",
+                         "AutoModel": "modeling_internlm.InternLMForCausalLM",
+                         "AutoModelForCausalLM": "modeling_internlm.InternLMForCausalLM"},
+            **c, "bias": bool(cfg.model.qkv_bias),
+            "rotary": {"base": float(cfg.model.rope_base), "type": "origin"}, "rope_scaling": None}
+
+
+def _get(c: Mapping, key: str, where: str) -> Any:
+    try:
+        return c[key]
+    except KeyError:
+        raise CheckpointError(f"{where}: missing key {key!r}") from None
+
+
+def _shape_keys(c: Mapping, where: str) -> dict:
+    hidden, heads = int(_get(c, "hidden_size", where)), int(_get(c, "num_attention_heads", where))
+    if c.get("hidden_act", "silu") != "silu":
+        raise CheckpointError(f"{where}: hidden_act {c.get('hidden_act')!r}; internlm-core's FFN is SwiGLU (silu)")
+    head_dim = c.get("head_dim")
+    if head_dim is not None and int(head_dim) * heads != hidden:
+        raise CheckpointError(f"{where}: head_dim {head_dim} * num_attention_heads {heads} != hidden_size "
+                              f"{hidden}; internlm-core derives head_dim as hidden_size / num_attention_heads")
+    return {
+        "num_layers": int(_get(c, "num_hidden_layers", where)), "hidden_size": hidden,
+        "num_attention_heads": heads, "num_kv_attention_heads": int(c.get("num_key_value_heads") or heads),
+        "vocab_size": int(_get(c, "vocab_size", where)), "intermediate_size": int(_get(c, "intermediate_size", where)),
+        "layer_norm_epsilon": float(c.get("rms_norm_eps", 1e-6)),
+        "tie_word_embeddings": bool(c.get("tie_word_embeddings", False)),
+    }
+
+
+def check_rope(scaling: Any, where: str, dynamic_ok: bool) -> None:
+    """Refuse rotary scalings our rotary embedding does not compute (dynamic NTK, where the family's modelling code
+    applies it only beyond max_position_embeddings, is accepted when `dynamic_ok`)."""
+    if not scaling:
+        return
+    kind = str(scaling.get("rope_type") or scaling.get("type") or "default") if isinstance(scaling, Mapping) else "?"
+    if kind in ("default", "origin") or (dynamic_ok and kind == "dynamic"):
+        return
+    raise CheckpointError(f"{where}: rope scaling ({scaling}) is not implemented by internlm-core's rotary "
+                          f"embedding; only the original rotary embedding can be loaded")
+
+
+def config_from_llama(c: Mapping, where: str = "config.json") -> dict:
+    """The `model` keys of a Llama config.json (rope scaling, MLP bias, another head_dim or activation refused)."""
+    out = _shape_keys(c, where)
+    out["qkv_bias"] = bool(c.get("attention_bias", False))
+    rope = c.get("rope_parameters") or {}
+    check_rope(c.get("rope_scaling") or (rope if rope.get("rope_type", "default") != "default" else None), where,
+               dynamic_ok=False)
+    out["rope_base"] = float(rope.get("rope_theta", c.get("rope_theta", 10000.0)))
+    if c.get("mlp_bias"):
+        raise CheckpointError(f"{where}: mlp_bias=true; internlm-core's feed-forward has no bias")
+    return out
+
+
+def config_from_internlm(c: Mapping, where: str = "config.json") -> dict:
+    """The `model` keys of an InternLMForCausalLM config.json (`bias`, `rotary` = {base, type})."""
+    out = _shape_keys(c, where)
+    out["qkv_bias"] = bool(c.get("bias", True))
+    rotary = c.get("rotary") or {}
+    check_rope(c.get("rope_scaling") or ({"type": rotary["type"]} if "type" in rotary else None), where,
+               dynamic_ok=True)
+    out["rope_base"] = float(rotary.get("base", c.get("rope_theta", 10000.0)))
+    return out
+
+
+LLAMA_HF = StateDictAdapter(format="hf", to_foreign=llama_to_hf, from_foreign=llama_from_hf,
+                            foreign_config=llama_config, config_from_foreign=config_from_llama,
+                            architectures=("LlamaForCausalLM",), description="Hugging Face LlamaForCausalLM")
+INTERNLM_HF = StateDictAdapter(format="hf", to_foreign=llama_to_hf, from_foreign=llama_from_hf,
+                               foreign_config=internlm_config, config_from_foreign=config_from_internlm,
+                               architectures=("InternLMForCausalLM",),
+                               description="Hugging Face InternLMForCausalLM (InternLM v1, remote code)")
