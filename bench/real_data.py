@@ -246,7 +246,7 @@ def check_no_cross_document(config: str, overrides: list[str], steps: int) -> tu
                 if (seg[:-1] == EOS).any() or (seg[1:] == BOS).any():
                     raise AssertionError(f"a cu_seqlens segment [{a}, {e}) spans a document boundary")
                 segments += 1
-    fraction = loader.rows_per_epoch * loader.packed_length / loader.corpus.num_tokens
+    fraction = loader.rows_per_epoch * loader.packed_length / loader.table.num_tokens
     assert np.isfinite(fraction)
     return fraction, segments
 
