@@ -9,8 +9,12 @@ CKPT_DIR is one checkpoint written by training (any data/tensor/pipeline layout)
 
     AutoModelForCausalLM.from_pretrained(OUT_DIR); AutoTokenizer.from_pretrained(OUT_DIR)
 
-Every model type exports to LlamaForCausalLM: INTERNLM (v1) with attention_bias=true (q/k/v/o bias),
-INTERNLM2 / LLAMA with num_key_value_heads for grouped-query attention.
+Every model type exports to LlamaForCausalLM by default: INTERNLM (v1) with attention_bias=true (q/k/v/o bias),
+INTERNLM2 / LLAMA with num_key_value_heads for grouped-query attention. `--hf-arch` writes a family's own class
+instead, as InternLM's converters do (their remote modelling code reads it, with trust_remote_code=True):
+
+    python tools/convert2hf.py CKPT_DIR OUT_DIR --hf-arch internlm     # InternLMForCausalLM (INTERNLM models)
+    python tools/convert2hf.py CKPT_DIR OUT_DIR --hf-arch internlm2    # InternLM2ForCausalLM, packed wqkv
 """
 
 from __future__ import annotations
@@ -40,6 +44,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--tokenizer", default="config",
                    help="'config' (default: the run's `tokenizer` key), 'none', 'byte', a SentencePiece .model "
                         "or a tokenizer.json")
+    p.add_argument("--hf-arch", choices=["llama", "internlm", "internlm2", "native"], default="llama",
+                   help="Hugging Face class: llama (LlamaForCausalLM, default), internlm (InternLMForCausalLM), "
+                        "internlm2 (InternLM2ForCausalLM), native (the model family's own)")
     p.add_argument("--allow-incomplete", action="store_true",
                    help="read a DCP folder that has no COMPLETE marker (interrupted, or not written by train.py)")
     return p.parse_args(argv)
@@ -65,7 +72,7 @@ def main(argv=None) -> int:
     t0 = time.perf_counter()
     files = export_checkpoint(args.ckpt_dir, args.out_dir, cfg=cfg, dtype=args.dtype,
                               max_shard_size=args.max_shard_size, tokenizer=tokenizer,
-                              allow_incomplete=args.allow_incomplete,
+                              allow_incomplete=args.allow_incomplete, arch=args.hf_arch,
                               progress=lambda msg: print(msg, flush=True))
     total = sum(f.stat().st_size for f in files)
     print(f"wrote {len(files)} files ({total / 1e6:.1f} MB) to {args.out_dir} in {time.perf_counter() - t0:.1f} s")

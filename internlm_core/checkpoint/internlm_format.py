@@ -206,3 +206,22 @@ def write_internlm_folder(out_dir: str | os.PathLike, cfg: Any,
     files.append(out / MODEL_CONFIG)
     return files
 
+
+
+def export_internlm_checkpoint(ckpt_dir: str | os.PathLike, out_dir: str | os.PathLike, cfg: Any = None,
+                               tp: int = 1, pp: int = 1, dtype: Optional[str] = None,
+                               allow_incomplete: bool = False,
+                               progress: Optional[Callable[[str], None]] = None) -> list[Path]:
+    """Convert an internlm-core checkpoint (any layout; local or s3://) into an InternLM folder split tp x pp."""
+    from .catalog import checkpoint_config, local_checkpoint
+    from .hf import _model_shapes, find_dcp_model
+
+    with local_checkpoint(ckpt_dir, allow_incomplete) as (folder, which):
+        if progress is not None:
+            progress(which)
+        cfg = cfg if cfg is not None else checkpoint_config(folder)
+        model = find_dcp_model(folder, list(_model_shapes(cfg)))
+        if progress is not None:
+            progress(f"model state: key prefix {model.prefix!r}, {len(model.tensors)} tensors; {cfg.model_type} -> "
+                     f"InternLM folder, tensor {tp} x pipeline {pp}")
+        return write_internlm_folder(out_dir, cfg, model.load, tp=tp, pp=pp, dtype=dtype, progress=progress)

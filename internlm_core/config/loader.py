@@ -246,7 +246,7 @@ CKPT_TYPE_ALIASES = {"internevo": "internlm", "normal": "internlm", "hf_model": 
                      "hf_internlm2": "hf"}
 
 
-def check_rampup(spec: str, micro_num: int, pipeline: int) -> None:
+def check_rampup(spec: str, micro_num: int, pipeline: int, data_type: str = "tokenized") -> None:
     """InternLM's rampup_batch_size "start increment every": micro-batches per step start at `start` and grow by
     `increment` every `every` steps up to data.micro_num."""
     try:
@@ -260,6 +260,8 @@ def check_rampup(spec: str, micro_num: int, pipeline: int) -> None:
     if pipeline > 1:
         raise ConfigError("data.rampup_batch_size: not supported with parallel.pipeline > 1 (the pipeline schedule "
                           "has a fixed number of micro-batches)")
+    if data_type == "streaming":
+        raise ConfigError("data.rampup_batch_size: not supported with data.type='streaming'")
 
 
 def check_consistency(cfg: Config, world_size: int | None = None) -> None:
@@ -277,7 +279,7 @@ def check_consistency(cfg: Config, world_size: int | None = None) -> None:
         raise ConfigError(f"data.packed_length ({d.packed_length}) must equal data.seq_len * data.micro_bsz "
                           f"({d.seq_len} * {d.micro_bsz} = {d.seq_len * d.micro_bsz})")
     if d.rampup_batch_size:
-        check_rampup(d.rampup_batch_size, d.micro_num, p.pipeline)
+        check_rampup(d.rampup_batch_size, d.micro_num, p.pipeline, d.type)
     if m.dtype not in set(_DTYPES.values()):
         raise ConfigError(f"model.dtype: expected one of torch.float32, torch.tf32, torch.bfloat16, torch.float16, "
                           f"got {m.dtype!r}")

@@ -41,7 +41,7 @@ class DataConfig:
     fixed_random_dataset_seqlen: bool = f(True, "Dummy data: every document exactly `seq_len` tokens (else random lengths).")
     dummy_distribution: str = f("uniform", "Dummy data token distribution: \"uniform\" or \"zipf\" (Zipf s=1.1 over token ids).")
     dummy_num_samples: int = f(100000, "Number of documents in the dummy dataset.")
-    dataset_type_mode: str = f("subfolder", "How dataset type ids are named: \"subfolder\" (InternEvo: top-level subfolder of train_folder) or \"internlm\" (fixed en/cn/code mapping).")
+    dataset_type_mode: str = f("subfolder", "How dataset type ids are named: \"subfolder\" (InternEvo: top-level subfolder of train_folder; validation sets by top-level subfolder of valid_folder) or \"internlm\" (InternLM's rules: fixed en/cn/code mapping by a folder of the file's path, validation sets named by each folder holding .bin files).")
     seed: Optional[int] = f(None, "Seed of the data order; default the run's `--seed`.")
     type: str = f("tokenized", "Training data (InternEvo's key): \"tokenized\" (`.bin` files: ours, InternLM's, Megatron's `.bin`/`.idx`; \"megatron\" is the same) or \"streaming\" (jsonl / parquet / Hugging Face `datasets` folders under `train_folder`, tokenized on the fly).")
     dataset_weights: Optional[dict] = f(None, "Mixture weights {dataset type: weight > 0}, one for every type of `train_folder` (see dataset_type_mode); each type's share of the training tokens, held over any window of rows. None: documents of all types shuffled together (their natural shares).")

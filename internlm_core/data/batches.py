@@ -48,11 +48,15 @@ class Prefetch:
     def rows_per_step(self) -> int:
         return self.micro_num * self.dp_size
 
+    def rows_at(self, consumed: int) -> int:
+        """Rows of all ranks taken by the step that starts after `consumed` (varies under a batch-size ramp-up)."""
+        return self.rows_per_step
+
     def __iter__(self) -> Iterator[Batch]:
         if self.prefetch <= 0:
             while True:
                 batch = self.batch_at(self.consumed)
-                self.consumed += self.rows_per_step
+                self.consumed += self.rows_at(self.consumed)
                 yield batch
         else:
             yield from self._prefetching()
@@ -79,7 +83,7 @@ class Prefetch:
                     while not stop.is_set():
                         if not put((c, self.batch_at(c))):
                             return
-                        c += self.rows_per_step
+                        c += self.rows_at(c)
                 except BaseException as e:  # handed to the consumer, re-raised there
                     put((None, e))
 
@@ -91,7 +95,7 @@ class Prefetch:
                     c, item = q.get()
                     if c is None:
                         raise item
-                    self.consumed = expected = c + self.rows_per_step
+                    self.consumed = expected = c + self.rows_at(c)
                     yield item
             finally:
                 stop.set()

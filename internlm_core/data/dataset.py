@@ -11,8 +11,10 @@ Dataset type ids (`data.dataset_type_mode`):
   own entry, named by its file name without ``.bin``). Ids are given in sorted name order. This is the default
   because it works for any folder layout and names the per-type metrics after the user's own folders; InternLM's
   fixed mapping fails on any folder not named ``en``/``cn``/``code``.
-- ``"internlm"`` (InternLM's rule): exactly one component of the path below `train_folder` must match
-  ``[z_]*en``, ``[z_]*cn`` or ``[z_]*code``, giving ids 0, 1, 2.
+- ``"internlm"`` (InternLM's rule): exactly one folder of a file's path must match ``[z_]*en``, ``[z_]*cn`` or
+  ``[z_]*code``, giving ids 0, 1, 2: below `train_folder` first, else anywhere in the whole path (InternLM matches
+  the whole path, so `train_folder=/data/en` is type en). Validation sets are then named as InternLM names them:
+  one per folder holding `.bin` files, by that folder's own name.
 """
 
 from __future__ import annotations
@@ -83,9 +85,12 @@ def type_names_for(folder: str, files: Sequence[str], mode: str) -> tuple[dict[i
         for p in files:
             rel = "/" + os.path.relpath(p, folder).replace(os.sep, "/")
             hits = [i for k, i in INTERNLM_TYPE_IDS.items() if re.search(rf"/[z_]*{k}/", rel)]
+            if len(hits) != 1:  # InternLM matches the whole path: train_folder may itself be .../en
+                whole = os.path.abspath(p).replace(os.sep, "/")
+                hits = [i for k, i in INTERNLM_TYPE_IDS.items() if re.search(rf"/[z_]*{k}/", whole)]
             if len(hits) != 1:
                 raise DataError(f"{p}: dataset_type_mode='internlm' needs exactly one folder named en, cn or code "
-                                f"(optionally prefixed by z/_) in its path below {folder}; found {len(hits)}")
+                                f"(optionally prefixed by z/_) in its path; found {len(hits)}")
             per_file.append(hits[0])
         return {i: k for k, i in INTERNLM_TYPE_IDS.items()}, per_file
     raise DataError(f"data.dataset_type_mode: expected 'subfolder' or 'internlm', got {mode!r}")
@@ -262,7 +267,10 @@ def build_valid_tables(data_cfg) -> dict[str, DocTable]:
     groups: dict[str, list[str]] = {}
     for p in files:
         rel = os.path.relpath(p, folder)
-        name = rel.split(os.sep)[0] if os.sep in rel else "val"
+        if data_cfg.dataset_type_mode == "internlm":  # InternLM: each folder holding .bin files, by its own name
+            name = os.path.basename(os.path.dirname(os.path.abspath(p)))
+        else:
+            name = rel.split(os.sep)[0] if os.sep in rel else "val"
         groups.setdefault(name, []).append(p)
     train_names: dict[str, int] = {}
     if data_cfg.train_folder is not None and data_cfg.dataset_type_mode == "subfolder":
@@ -275,7 +283,10 @@ def build_valid_tables(data_cfg) -> dict[str, DocTable]:
     next_id = max(train_names.values(), default=-1) + 1
     for name in sorted(groups):
         if data_cfg.dataset_type_mode == "internlm":
-            names, per_file = type_names_for(folder, groups[name], "internlm")
+            try:
+                names, per_file = type_names_for(folder, groups[name], "internlm")
+            except DataError:  # a validation folder outside en/cn/code is its own type
+                names, per_file = {len(INTERNLM_TYPE_IDS): name}, [len(INTERNLM_TYPE_IDS)] * len(groups[name])
         else:
             tid = train_names.get(name)
             if tid is None:
@@ -283,8 +294,8 @@ def build_valid_tables(data_cfg) -> dict[str, DocTable]:
             names, per_file = {tid: name}, [tid] * len(groups[name])
         total = sum(os.path.getsize(p) for p in groups[name])
         sources = open_files(groups[name], verify=total <= VERIFY_MAX_BYTES)
-        out[name] = DocTable.in_memory(sources, per_file, names, data_cfg.min_length,
-                                       f"data.valid_folder {os.path.join(folder, name)}")
+        # every validation document counts, short ones too (InternLM validates with min_length=0)
+        out[name] = DocTable.in_memory(sources, per_file, names, 0, f"data.valid_folder {os.path.join(folder, name)}")
     return out
 
 

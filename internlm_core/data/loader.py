@@ -27,6 +27,7 @@ from internlm_core.utils.logging import get_logger
 from .dataset import DocTable, build_valid_tables, data_seed, dummy_table, list_folder, open_files
 from .index import EpochSource, Stream, build_epoch_in_memory, default_cache_root, rows_of, scan_table
 from .mixture import Mixture
+from .rampup import Rampup
 from .streaming import build_streaming_loader
 from .batches import Batch, Prefetch, collate, row_shape
 from .packing import Packer, RowShape
@@ -41,7 +42,7 @@ class TrainLoader(Prefetch):
 
     def __init__(self, streams: List[EpochSource], mixture: Optional[Mixture], shape: RowShape, *, micro_num: int,
                  dp_rank: int, dp_size: int, seed: int, vocab_size: Optional[int], type_names: Dict[int, str],
-                 prefetch: int = 0):
+                 prefetch: int = 0, rampup: Optional[Rampup] = None):
         if not 0 <= dp_rank < dp_size:
             raise DataError(f"data loader: dp_rank {dp_rank} is not in [0, dp_size={dp_size})")
         if micro_num < 1:
@@ -55,6 +56,7 @@ class TrainLoader(Prefetch):
         self._type_names = dict(type_names)
         self.consumed = 0  # rows consumed by all ranks together
         self.prefetch = int(prefetch)
+        self.rampup = rampup  # InternLM's rampup_batch_size: fewer rows per step at first
         self._lock = threading.Lock()
         first = streams[0].stream
         self._count_base = (0, np.zeros(len(first.types), dtype=np.int64))
@@ -81,10 +83,18 @@ class TrainLoader(Prefetch):
         e, k = divmod(r, src.stream.rows_per_epoch)
         return self.packers[i].row(src.epoch(e), k)
 
+    def micro_num_at(self, consumed: int) -> int:
+        """Rows per rank of the step that starts after `consumed` rows (micro_num, or less while ramping up)."""
+        return self.micro_num if self.rampup is None else self.rampup.size_after(consumed // self.dp_size)
+
+    def rows_at(self, consumed: int) -> int:
+        return self.micro_num_at(consumed) * self.dp_size
+
     def batch_at(self, consumed: int) -> Batch:
         """This rank's batch of the step that starts after `consumed` rows."""
-        first = consumed + self.dp_rank * self.micro_num
-        rows = [self.global_row(first + m) for m in range(self.micro_num)]
+        n = self.micro_num_at(consumed)
+        first = consumed + self.dp_rank * n
+        rows = [self.global_row(first + m) for m in range(n)]
         return collate(rows, self._type_names)
 
     # -- tokens per type
@@ -225,7 +235,9 @@ def build_train_loader(data_cfg, *, dp_rank: int, dp_size: int, vocab_size: int)
         rows_of(streams[0], "training data")
     return TrainLoader([EpochSource(st, cache) for st in streams], mixture, shape, micro_num=data_cfg.micro_num,
                        dp_rank=dp_rank, dp_size=dp_size, seed=seed, vocab_size=vocab_size,
-                       type_names=table.type_names, prefetch=2 * max(0, int(data_cfg.num_worker or 0)))
+                       type_names=table.type_names, prefetch=2 * max(0, int(data_cfg.num_worker or 0)),
+                       rampup=Rampup(data_cfg.rampup_batch_size, data_cfg.micro_num)
+                       if getattr(data_cfg, "rampup_batch_size", "") else None)
 
 
 def build_valid_loaders(data_cfg, *, dp_rank: int, dp_size: int, vocab_size: int) -> Dict[str, Iterable[Batch]]:

@@ -52,6 +52,7 @@ class LoopConfig:
     dtype: str                 # model.dtype (autocast)
     label_smoothing: float
     vocab_parallel_loss: bool  # tensor parallel with parallel_output: logits stay vocabulary-sharded
+    validate_at_end: bool = False  # data.valid_every > 0 or a valid_folder: validate once more after the last step
     # a simulated job (train.py --simulate): fake peers deliver garbage gradients; step anyway, so that the
     # optimizer state exists and the memory is that of the real job
     simulated: bool = False
@@ -63,7 +64,8 @@ class LoopConfig:
                    micro_num=d.micro_num, packed_length=d.packed_length, valid_every=d.valid_every,
                    clip_grad_norm=cfg.hybrid_zero_optimizer.clip_grad_norm, dtype=cfg.model.dtype,
                    label_smoothing=cfg.loss.label_smoothing,
-                   vocab_parallel_loss=tp > 1 and cfg.model.parallel_output)
+                   vocab_parallel_loss=tp > 1 and cfg.model.parallel_output,
+                   validate_at_end=d.valid_every > 0 or d.valid_folder is not None)
 
 
 @dataclass
@@ -98,6 +100,7 @@ class Trainer:
     stop_request: StopRequest = field(default_factory=StopRequest)
     last_metrics: dict = field(default_factory=dict)
     _step_end: float = 0.0  # perf_counter at the end of the last step: the start of the next step's time
+    _validated_at: int = -1  # batch_count of the last validation
 
     # ---- pieces of one step -------------------------------------------------------------------
 
@@ -317,6 +320,8 @@ class Trainer:
             if self.stop_request.stop:
                 logger.info(f"stopping after step {st.batch_count}: {self.stop_request.reason}")
                 break
+        if loop.validate_at_end and st.batch_count >= loop.total_steps and self._validated_at != st.batch_count:
+            self.evaluate()  # the final validation data.valid_every promises
         self.callbacks.fire("on_train_end", self)
         self.writer.close()
         return st
@@ -338,6 +343,7 @@ class Trainer:
         """Loss, ACC and PPL on every validation dataset (reported separately), averaged over dp ranks."""
         if not self.valid_loaders:
             return {}
+        self._validated_at = self.state.batch_count
         self.model.eval()
         results: dict[str, float] = {}
         t0 = time.perf_counter()
