@@ -3,8 +3,9 @@
 By job: manager.py (CheckpointManager, orchestration), registry.py (what is saved), meta.py (meta.json and the
 marker), writer.py (one save: write, upload, marker), retention.py (keep_last_k, snapshot slots), restore.py
 (loading, other formats), catalog.py (which checkpoints exist, what a path names), storage.py / s3.py (where they
-live), collectives.py (the checkpoint's process group), safe_dcp.py / staging.py (DCP plumbing); Hugging Face
-interchange in hf.py, hf_names.py, safetensors_io.py, tokenizer_export.py.
+live), collectives.py (the checkpoint's process group), safe_dcp.py / staging.py (DCP plumbing); other formats
+through the model families' StateDictAdapters: foreign.py (what they share), hf.py (Hugging Face folders, with
+safetensors_io.py and tokenizer_export.py), internlm_format.py (InternLM's / InternEvo's checkpoint folders).
 """
 
 from .callback import CheckpointCallback
