@@ -293,3 +293,28 @@ def test_hf_internlm2_import_and_export_against_its_math(tmp_path, tie):
     assert out_t.keys() == t.keys() and all(torch.equal(out_t[k], t[k]) for k in t)
     with pytest.raises(CheckpointError, match="InternLMForCausalLM: model_type INTERNLM2 reads"):
         export_hf(tmp_path / "x", cfg, model.state_dict(), tokenizer=None, arch="internlm")
+
+
+def test_convert2internlm_cli_from_a_training_checkpoint(tmp_path, capsys):
+    import sys
+    from pathlib import Path
+
+    from internlm_core.checkpoint import CheckpointManager
+    from internlm_core.config import dump_yaml
+
+    root = Path(__file__).resolve().parents[2]
+    cfg = tiny("INTERNLM", "ckpt.enable_save_ckpt=True", f"ckpt.save_ckpt_folder={tmp_path / 'ckpts'}")
+    model = random_model(cfg)
+    mgr = CheckpointManager(cfg.ckpt, config_text=dump_yaml(cfg))
+    mgr.register_model(model)
+    mgr.save(5, "test")
+    mgr.close()
+    sys.path.insert(0, str(root / "tools"))
+    import convert2internlm
+
+    assert convert2internlm.main([str(tmp_path / "ckpts"), str(tmp_path / "out"), "--tp", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "newest complete checkpoint" in out and "INTERNLM -> InternLM folder, tensor 2 x pipeline 1" in out
+    back = build_model(cfg)
+    load_internlm(back, tmp_path / "out", "INTERNLM")
+    assert all(torch.equal(back.state_dict()[k], v) for k, v in model.state_dict().items())
