@@ -237,7 +237,8 @@ def fill_defaults(cfg: Config) -> None:
     info = cfg.ckpt.load_ckpt_info
     if info is not None and isinstance(info, LoadCkptInfo):
         info.content = tuple(c.lower() for c in info.content)
-        info.ckpt_type = CKPT_TYPE_ALIASES.get(str(info.ckpt_type).lower(), info.ckpt_type)
+        kind = str(info.ckpt_type).lower()
+        info.ckpt_type = CKPT_TYPE_ALIASES.get(kind, kind)
 
 
 # load_ckpt_info.ckpt_type: ours, InternLM's own folders, Hugging Face folders (Llama, InternLM, InternLM2)
