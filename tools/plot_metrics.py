@@ -6,7 +6,9 @@
 Writes loss.png (training loss, with an EMA above 200 steps, and validation loss), valid.png (validation ACC and PPL
 per dataset), lr.png, throughput.png (tokens per GPU per second, and MFU when known), grad_norm.png, and
 overview.png with all of them; prints the path of each. A resumed run (steps written twice) keeps the
-latest record of each step; a truncated last line (a crash) is skipped.
+latest record of each step; a truncated last line (a crash) is skipped. A `restart` record (an elastic restart, a
+requeue) or a `rewind` record (a loss spike rewound) at step S drops the earlier records of steps after S: those
+steps were trained again (or skipped) after it; the loss plot marks each with a vertical line.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ class Run:
     path: Path
     train: list = field(default_factory=list)
     valid: list = field(default_factory=list)
+    events: list = field(default_factory=list)  # restart and rewind records, in file order
     skipped_lines: int = 0
 
     def series(self, key: str, kind: str = "train") -> tuple[list, list]:
@@ -76,6 +79,11 @@ def read_run(path: str | os.PathLike, name: str | None = None) -> Run:
             kind = rec.get("kind", "train")
             if kind in by_kind:
                 by_kind[kind][step] = rec  # a resumed run rewrites steps: the latest record wins
+            elif kind in ("restart", "rewind"):  # training went back to `step`: what came after it is void
+                run.events.append(rec)
+                for records in by_kind.values():
+                    for s in [s for s in records if s > step]:
+                        del records[s]
     run.train = [by_kind["train"][s] for s in sorted(by_kind["train"])]
     run.valid = [by_kind["valid"][s] for s in sorted(by_kind["valid"])]
     if not run.train and not run.valid:
@@ -138,6 +146,12 @@ def plot_loss(ax, runs: list[Run], colors) -> bool:
                 ax.plot(vx, vy, color=ds_colors[j], ls="--", marker="os^vD"[j % 5], ms=5, lw=1.2,
                         label=f"{run.name} valid {ds}")
                 drawn = True
+    for run, c in zip(runs, colors):
+        for i, ev in enumerate(run.events):
+            first = i == 0 or all(e["kind"] != ev["kind"] for e in run.events[:i])
+            ax.axvline(ev["step"], color=c, ls=":" if ev["kind"] == "restart" else "-.", lw=1, alpha=0.7,
+                       label=f"{run.name} {ev['kind']}" if first else None)
+            drawn = True
     ax.set_title("loss")
     ax.set_xlabel("step")
     ax.set_ylabel("cross-entropy loss (nats/token)")

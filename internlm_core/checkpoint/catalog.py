@@ -18,7 +18,7 @@ from ..config.loader import strip_location_prefix
 from ..errors import CheckpointError
 from ..utils.logging import get_logger
 from .s3 import S3Storage
-from .storage import CONFIG, MARKER, META, LocalStorage, Storage
+from .storage import CONFIG, MARKER, META, REJECTED, LocalStorage, Storage
 
 logger = get_logger(__name__)
 
@@ -77,8 +77,12 @@ def find_complete_checkpoints(storage: Storage) -> list[CheckpointRef]:
     for name in storage.list_names():
         marker = storage.read_marker(name)
         if marker is None:
-            logger.info("checkpoint %s has no %s marker (interrupted while being written); ignored",
-                        storage.child(name), MARKER)
+            rejected = storage.read_text(name, REJECTED)
+            if rejected is not None:
+                logger.info("checkpoint %s was rejected (%s); ignored", storage.child(name), _reason(rejected))
+            else:
+                logger.info("checkpoint %s has no %s marker (interrupted while being written); ignored",
+                            storage.child(name), MARKER)
             continue
         problem = storage.verify(name, marker)
         if problem:
@@ -87,6 +91,13 @@ def find_complete_checkpoints(storage: Storage) -> list[CheckpointRef]:
         refs.append(CheckpointRef(storage, name, marker))
     refs.sort(key=lambda r: (r.step, r.kind == "regular"))
     return refs
+
+
+def _reason(rejected: str) -> str:
+    try:
+        return str(json.loads(rejected).get("reason", "no reason given"))
+    except (ValueError, AttributeError):
+        return "unreadable REJECTED file"
 
 
 def latest_checkpoint(storage: Storage) -> Optional[CheckpointRef]:

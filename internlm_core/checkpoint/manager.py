@@ -35,13 +35,15 @@ import torch
 
 from ..errors import CheckpointError
 from ..utils.logging import get_logger
-from .catalog import CheckpointRef, latest_checkpoint, parse_destination, read_meta, resolve
+from .catalog import CheckpointRef, find_complete_checkpoints, latest_checkpoint, parse_destination, read_meta, resolve
 from .collectives import Collectives
+from .integrity import CorruptCheckpoint, verify_local
+from .lease import Lease
 from .meta import build_meta
 from .registry import CONTENTS, StateRegistry, normalize_content
 from .restore import FOREIGN_LOADERS, LoadResult, local_copy, read_into
 from .retention import SnapshotSlots
-from .storage import Storage
+from .storage import REJECTED, Storage
 from .writer import CheckpointWriter, SaveResult, write_target
 
 if TYPE_CHECKING:
@@ -71,15 +73,19 @@ class CheckpointManager:
             downloads are done by local rank 0).
         dims: ParallelDims (dp rank and the layout recorded in meta.json); None: plain data parallel.
         config_text: the run's resolved config, stored in meta.json and config.yaml.
-        alerts: anything with `send(subject, content, level)` (the monitor's AlertManager) for failed saves.
+        alerts: anything with `send(subject, content, level)` (the monitor's AlertManager) for failed saves, corrupt
+            checkpoints and rewinds.
         upload_attempts, retry_backoff_s: object-storage retries (exponential backoff).
         group_timeout_s: timeout of the checkpoint process group (an upload may take long).
+        run_dir: this run's folder (named in the folder's lease, so that a refused run learns whose it is).
     """
 
     def __init__(self, cfg: CkptConfig, *, rank: int = 0, world_size: int = 1, local_rank: int = 0,
                  dims: Any = None, config_text: str = "", alerts: Any = None, upload_attempts: int = 3,
-                 retry_backoff_s: float = 2.0, group_timeout_s: float = 3600.0):
+                 retry_backoff_s: float = 2.0, group_timeout_s: float = 3600.0, run_dir: str | Path = ""):
         self.cfg = cfg
+        self.alerts = alerts
+        self.run_dir = str(run_dir)
         self.dims = dims
         self.config_text = config_text
         self.attempts, self.backoff_s = int(upload_attempts), float(retry_backoff_s)
@@ -97,6 +103,12 @@ class CheckpointManager:
             self._writer = CheckpointWriter(self.dest, self.coll, self._slots, async_save=cfg.async_upload,
                                             keep_last_k=cfg.keep_last_k, config_text=config_text, alerts=alerts)
         self._warned_disabled = False
+        # one live writer per folder (lease.py): taken by rank 0 at resume(), checked before every marker
+        timeout = float(getattr(cfg, "lease_timeout", 0) or 0)
+        self.lease: Optional[Lease] = (Lease(self.dest, timeout, str(run_dir)) if self.save_enabled and timeout > 0
+                                       and self.rank == 0 else None)
+        if self.lease is not None and self._writer is not None:
+            self._writer.may_commit = self.lease.check
         self.last_saved_step: Optional[int] = None
         self.loaded: Optional[LoadResult] = None
         self.model_type: Optional[str] = None
@@ -173,6 +185,10 @@ class CheckpointManager:
         if kind not in ("regular", "snapshot"):
             raise ValueError(f"kind must be regular or snapshot, got {kind!r}")
         self.wait()
+        lost = self.coll.broadcast(self.lease.lost if self.lease is not None else None)
+        if lost is not None:
+            raise CheckpointError(f"{self.dest.url}: this run lost the folder's lease to {lost}; stopping instead of "
+                                  "writing checkpoints two runs would mix")
         t0 = time.perf_counter()
         name = str(step) if kind == "regular" else self._slots.next()
         result = SaveResult(step, kind, name, self.dest.child(name), reason)
@@ -191,11 +207,86 @@ class CheckpointManager:
         return self._writer.wait() if self._writer is not None else None
 
     def close(self) -> None:
-        """Wait for the last save; CheckpointError if it did not complete (the job must not look successful)."""
-        if self._writer is not None:
-            self._writer.close()
+        """Wait for the last save; CheckpointError if it did not complete (the job must not look successful).
+        The folder's lease is given back."""
+        try:
+            if self._writer is not None:
+                self._writer.close()
+        finally:
+            if self.lease is not None:
+                self.lease.release()
+
+    def claim(self) -> None:
+        """Take the folder's lease (rank 0; a collective): CheckpointError on every rank when another live run
+        writes there. Done by `resume()`; a no-op without saving or with ckpt.lease_timeout 0."""
+        if not self.save_enabled:
+            return
+        error = None
+        if self.lease is not None and not self.lease.held:
+            self.lease.me.run_dir = self.run_dir
+            try:
+                self.lease.acquire()
+                self.lease.start_heartbeat()
+            except CheckpointError as e:
+                error = str(e)
+        error = self.coll.broadcast(error)
+        if error is not None:
+            raise CheckpointError(error)
 
     # ---- loading ---------------------------------------------------------------------------------------------------
+    def complete_checkpoints(self, dest: Optional[Storage] = None) -> list[CheckpointRef]:
+        """Every complete checkpoint under `dest` (default: save_ckpt_folder), oldest first, the same on every rank."""
+        dest = dest or self.dest
+        if dest is None:
+            return []
+        found = self.coll.on_rank0(lambda: [(r.name, r.marker) for r in find_complete_checkpoints(dest)])
+        return [CheckpointRef(dest, name, marker) for name, marker in found]
+
+    def _load_newest_sound(self, dest: Storage, before_step: Optional[int] = None) -> Optional[LoadResult]:
+        """Load the newest complete checkpoint under `dest` (older than `before_step`) whose files match their
+        checksums; a corrupt one is rejected (REJECTED file, alert) and the one before it tried. None: no sound one."""
+        for ref in reversed(self.complete_checkpoints(dest)):
+            if before_step is not None and ref.step >= before_step:
+                continue
+            try:
+                return self._load_ref(ref, CONTENTS)
+            except CorruptCheckpoint as e:
+                self._reject(ref, str(e), "corrupt checkpoint: falling back to the one before it")
+        return None
+
+    def _reject(self, ref: CheckpointRef, why: str, subject: str) -> None:
+        """Rank 0: `ref` stops counting as complete (its files stay), with an error log and an alert."""
+        if self.rank != 0:
+            return
+        logger.error("%s; %s is rejected (its files stay; its marker is kept in %s/%s)", why, ref.url, ref.url,
+                     REJECTED)
+        try:
+            ref.storage.reject(ref.name, why)
+        except Exception as e:  # noqa: BLE001 - still never loaded by this run; the next resume checks it again
+            logger.error("could not mark %s as rejected: %s", ref.url, e)
+        if self.alerts is not None:
+            try:
+                self.alerts.send(subject, why, level="error")
+            except Exception as e:  # noqa: BLE001
+                logger.error("alerting failed too: %s", e)
+
+    def rewind(self, before_step: int, reason: str) -> LoadResult:
+        """Reload everything from the newest sound checkpoint older than `before_step` (a collective); complete
+        checkpoints of step `before_step` or later are rejected first (saved after things went wrong)."""
+        self.wait()
+        if self.dest is None:
+            raise CheckpointError("rewind: no ckpt.save_ckpt_folder to rewind from")
+        for ref in self.complete_checkpoints():
+            if ref.step >= before_step:
+                self._reject(ref, f"{reason}: checkpoint of step {ref.step} saved at or after step {before_step}",
+                             f"checkpoint of step {ref.step} rejected")
+        res = self._load_newest_sound(self.dest, before_step)
+        if res is None:
+            raise CheckpointError(f"rewind ({reason}): no complete checkpoint before step {before_step} under "
+                                  f"{self.dest.url}")
+        self.last_saved_step = res.step
+        return res
+
     def find_latest(self, dest: Optional[Storage] = None) -> Optional[CheckpointRef]:
         """The newest complete checkpoint under `dest` (default: save_ckpt_folder), the same on every rank."""
         dest = dest or self.dest
@@ -207,13 +298,15 @@ class CheckpointManager:
     def resume(self) -> Optional[LoadResult]:
         """At start, as InternLM: with auto_resume the newest complete checkpoint under save_ckpt_folder replaces
         `load_ckpt_info` (everything is loaded); when there is none the run starts fresh and load_ckpt_info stays
-        unused. Without auto_resume: `load_ckpt_info` (its content), else nothing. One log line says which."""
+        unused. Without auto_resume: `load_ckpt_info` (its content), else nothing. One log line says which.
+        The newest complete checkpoint whose files fail their checksums is rejected (with an alert) and the one
+        before it is taken. First of all the folder's lease is taken (one live writer per folder)."""
+        self.claim()
         info = self.cfg.load_ckpt_info
         if self.cfg.auto_resume:
-            ref = self.find_latest() if self.dest is not None else None
-            if ref is not None:
-                res = self._load_ref(ref, CONTENTS)
-                self.last_saved_step = ref.step
+            res = self._load_newest_sound(self.dest) if self.dest is not None else None
+            if res is not None:
+                self.last_saved_step = res.step
                 return res
             if self.rank == 0:
                 where = f"under {self.dest.url}" if self.dest is not None else "(no ckpt.save_ckpt_folder)"
@@ -274,6 +367,8 @@ class CheckpointManager:
         t0 = time.perf_counter()
         folder, cleanup = local_copy(ref, self.coll, self.tmp_root / "download")
         try:
+            verify_local(folder, ref.marker, self.coll, shared=ref.storage.local_path(ref.name) is not None,
+                         url=ref.url)
             saved = read_meta(folder)
             notes = read_into(self.state, folder, ref.url, parts, self.coll, self.dp_rank)
         finally:

@@ -1,15 +1,16 @@
 """What a checkpoint says about itself: meta.json (step, tokens, layout, versions, contents, what resumes exactly,
-the config) and the COMPLETE marker (step, kind, every file and its size)."""
+the config) and the COMPLETE marker (step, kind, every file with its size and crc32)."""
 
 from __future__ import annotations
 
 import datetime
 import platform
-from typing import Any
+from typing import Any, Optional
 
 import numpy as np
 import torch
 
+from .integrity import CHECKSUM
 from .registry import StateRegistry
 
 FORMAT = "internlm_core/dcp"
@@ -63,7 +64,11 @@ def build_meta(registry: StateRegistry, *, step: int, kind: str, reason: str, na
 
 
 def build_marker(*, step: int, kind: str, name: str, reason: str, world_size: int, time: str,
-                 files: dict[str, int]) -> dict:
-    """The COMPLETE marker: written last, it lists every file of the checkpoint with its size."""
-    return {"format": FORMAT, "format_version": FORMAT_VERSION, "step": step, "kind": kind, "name": name,
-            "reason": reason, "world_size": world_size, "time": time, "files": files}
+                 files: dict[str, int], checksums: Optional[dict[str, str]] = None) -> dict:
+    """The COMPLETE marker: written last, it lists every file of the checkpoint with its size and its crc32
+    (integrity.py)."""
+    marker = {"format": FORMAT, "format_version": FORMAT_VERSION, "step": step, "kind": kind, "name": name,
+              "reason": reason, "world_size": world_size, "time": time, "files": files}
+    if checksums is not None:
+        marker.update(checksum=CHECKSUM, checksums=checksums)
+    return marker

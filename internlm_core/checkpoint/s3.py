@@ -124,6 +124,10 @@ class S3Storage(Storage):
         retry(lambda: self.client.upload_file(str(local), self.bucket, self.key(name, filename)),
               f"uploading {filename} to {self.child(name)}", self.attempts, self.backoff_s)
 
+    def remove_file(self, name: str, filename: str) -> None:
+        retry(lambda: self.client.delete_object(Bucket=self.bucket, Key=self.key(name, filename)),
+              f"deleting {self.child(name)}/{filename}", self.attempts, self.backoff_s)
+
     def put_text(self, name: str, filename: str, text: str) -> None:
         retry(lambda: self.client.put_object(Bucket=self.bucket, Key=self.key(name, filename),
                                              Body=text.encode("utf-8")),

@@ -9,11 +9,16 @@ Layout under a destination (InternLM's: a folder per step, two snapshot slots):
         __0_0.distcp ...           DCP shards, one or more per rank: model, optimizer and all other state
         meta.json                  step, tokens, layout, versions, what resumes exactly, the config text
         config.yaml                the run's resolved config (the same text as in meta.json)
-        COMPLETE                   the completion marker, written last (JSON: step, kind, every file and its size)
+        COMPLETE                   the completion marker, written last (JSON: step, kind, every file with its size
+                                   and crc32)
       20/ ...
       snapshot/0/  snapshot/1/     `oss_snapshot_freq`'s two alternating slots, the same inside
+      LEASE                        the run that writes here and its last heartbeat (lease.py)
 
-A checkpoint is complete when its marker exists and every file the marker lists is there with its size.
+A checkpoint is complete when its marker exists and every file the marker lists is there with its size; it is
+loaded only when every file also has its crc32 (integrity.py). A checkpoint found corrupt, or saved during a
+loss spike that was rewound, is *rejected*: its marker is replaced by REJECTED (the reason and the old marker),
+its files stay for inspection and it no longer counts as complete.
 """
 
 from __future__ import annotations
@@ -33,6 +38,8 @@ from ..utils.logging import get_logger
 logger = get_logger(__name__)
 
 MARKER = "COMPLETE"
+REJECTED = "REJECTED"
+LEASE = "LEASE"
 META = "meta.json"
 CONFIG = "config.yaml"
 DCP_METADATA = ".metadata"
@@ -127,6 +134,10 @@ class Storage(ABC):
         """Remove a checkpoint: its marker first (so that a half-deleted one counts as incomplete), then the rest."""
 
     @abstractmethod
+    def remove_file(self, name: str, filename: str) -> None:
+        """Remove one file of checkpoint `name` (nothing when it is absent)."""
+
+    @abstractmethod
     def upload_file(self, local: Path, name: str, filename: str) -> None:
         """Copy a local file into checkpoint `name` as `filename`."""
 
@@ -145,6 +156,13 @@ class Storage(ABC):
 
     def empty_trash(self) -> None:
         """Delete what `set_aside` left for later."""
+
+    def reject(self, name: str, reason: str) -> None:
+        """Checkpoint `name` stops counting as complete: REJECTED (the reason and the old marker) is written, then
+        the marker removed; the files stay."""
+        record = {"reason": reason, "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "marker": self.read_marker(name)}
+        self.put_text(name, REJECTED, json.dumps(record, indent=1))
+        self.remove_file(name, MARKER)
 
     def read_marker(self, name: str) -> Optional[dict]:
         """The COMPLETE marker of checkpoint `name`; None when it is absent or unreadable."""
@@ -221,6 +239,13 @@ class LocalStorage(Storage):
         folder = self.path(name)
         self._drop_marker(folder)
         shutil.rmtree(folder, ignore_errors=True)
+
+    def remove_file(self, name: str, filename: str) -> None:
+        try:
+            (self.path(name) / filename).unlink()
+        except FileNotFoundError:
+            return
+        fsync_dir(self.path(name))
 
     def upload_file(self, local: Path, name: str, filename: str) -> None:
         dst = self.path(name) / filename

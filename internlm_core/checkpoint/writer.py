@@ -17,7 +17,7 @@ import time
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 import torch.distributed.checkpoint as dcp
@@ -26,6 +26,7 @@ from ..errors import CheckpointError
 from ..utils.logging import get_logger
 from . import faults
 from .collectives import Collectives
+from .integrity import checksums
 from .meta import build_marker
 from .retention import SnapshotSlots, keep_last_k
 from .safe_dcp import DCP_ERRORS, InterruptibleWriter, describe, unwrap
@@ -158,6 +159,8 @@ class CheckpointWriter:
         self.config_text, self.alerts = config_text, alerts
         self._thread: Optional[threading.Thread] = None
         self._stager: Optional[ReusingCPUStager] = None
+        # rank 0, right before a marker is written: raises when this run may no longer commit (its lease was taken)
+        self.may_commit: Optional[Callable[[], None]] = None
         self.last_result: Optional[SaveResult] = None
         self.results: list[SaveResult] = []
 
@@ -192,13 +195,14 @@ class CheckpointWriter:
             self._finish(None, err, target, meta, result, t0)
             result.blocked_s = time.perf_counter() - t0
 
-    def _my_files(self, folder: Path) -> dict[str, int]:
-        """The files this rank is responsible for: its DCP shards; rank 0 also the index, meta and config."""
+    def _my_files(self, folder: Path) -> tuple[dict[str, int], dict[str, str]]:
+        """The files this rank is responsible for (its DCP shards; rank 0 also the index, meta and config): their
+        sizes and their checksums."""
         files = {p.name: p.stat().st_size for p in folder.glob(f"__{self.coll.rank}_*") if p.is_file()}
         if self.coll.rank == 0:
             for fname in (DCP_METADATA, META, CONFIG):
                 files[fname] = (folder / fname).stat().st_size
-        return files
+        return files, checksums(folder, files)
 
     def _finish(self, fut: Any, err: str, target: WriteTarget, meta: Optional[dict], result: SaveResult,
                 t0: float) -> None:
@@ -211,18 +215,19 @@ class CheckpointWriter:
                 except DCP_ERRORS as e:
                     ok, error = False, f"writing {target.folder}: {describe(unwrap(e))}"
             files: dict[str, int] = {}
+            sums: dict[str, str] = {}
             if ok:
                 try:
                     if coll.rank == 0:
                         write_durable(target.folder / META, json.dumps(meta, indent=1, default=str).encode())
                         write_durable(target.folder / CONFIG, self.config_text.encode())
-                    files = self._my_files(target.folder)
+                    files, sums = self._my_files(target.folder)
                 except OSError as e:
                     ok, error = False, f"{target.folder}: {e}"
             ok, error = coll.agree(ok, error)
             if ok:
                 ok, error = target.publish(files, coll)
-            gathered = coll.all_gather(files if ok else {})
+            gathered = coll.all_gather((files, sums) if ok else ({}, {}))
             if coll.rank == 0 and ok:
                 ok, error = self._commit(result, gathered, meta)
             ok, error, result.bytes = coll.broadcast((ok, error, result.bytes))
@@ -237,15 +242,23 @@ class CheckpointWriter:
         self.results.append(result)
         self._report(result, target)
 
-    def _commit(self, result: SaveResult, gathered: list[dict[str, int]], meta: Optional[dict]
-                ) -> tuple[bool, str]:
-        """Rank 0: the COMPLETE marker listing every rank's files, then retention."""
+    def _commit(self, result: SaveResult, gathered: list[tuple[dict[str, int], dict[str, str]]],
+                meta: Optional[dict]) -> tuple[bool, str]:
+        """Rank 0: the COMPLETE marker listing every rank's files and checksums, then retention."""
         files: dict[str, int] = {}
-        for f in gathered:
+        sums: dict[str, str] = {}
+        for f, c in gathered:
             files.update(f)
+            sums.update(c)
         marker = build_marker(step=result.step, kind=result.kind, name=result.name, reason=result.reason,
-                              world_size=self.coll.world_size, time=(meta or {}).get("time", ""), files=files)
+                              world_size=self.coll.world_size, time=(meta or {}).get("time", ""), files=files,
+                              checksums=sums)
         result.bytes = sum(files.values())
+        if self.may_commit is not None:
+            try:
+                self.may_commit()
+            except CheckpointError as e:
+                return False, str(e)
         try:
             faults.maybe_kill("kill_before_marker", result.step)
             self.storage.put_text(result.name, MARKER, json.dumps(marker, indent=1))

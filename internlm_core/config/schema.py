@@ -180,6 +180,7 @@ class CkptConfig:
     stop_file_path: Optional[str] = f(None, "A file holding an integer N: save at step |N|, and stop if N > 0.")
     keep_last_k: int = f(0, "Keep only the newest k regular checkpoints (0: keep all).")
     save_at_end: bool = f(True, "Save when training finishes.")
+    lease_timeout: float = f(120.0, "One live writer per save_ckpt_folder: the run that saves holds a lease (a LEASE file with a heartbeat); another run is refused at start unless the lease is older than this many seconds, its holder died on this host, or it is the same job restarted (torchrun run id, SLURM job id). 0: no lease.")
 
 
 @dataclass
@@ -204,6 +205,10 @@ class MonitorConfig:
     log_every: int = f(1, "Console metrics line every this many steps (metrics.jsonl always gets every step).")
     tensorboard: bool = f(True, "Write TensorBoard event files into the run folder (InternEvo's dict(queue_max_length=...) means True).")
     memory_report: bool = f(False, "Write a memory report (peak per step, breakdown) into the run folder.")
+    hang_action: str = f("alert", "What the hang watchdog does after hang_timeout: \"alert\" (alert, dump stacks, keep waiting) or \"exit\" (the same, then end the process with status 3 so that torchrun --max-restarts / SLURM --requeue restart the job from the newest complete checkpoint).")
+    spike_rewind: bool = f(False, "Opt-in: when the loss stays above loss_spike_ratio x its running average for spike_rewind_steps steps, reload the newest complete checkpoint before the spike, skip the batches that spiked (kept in checkpoints, as data.skip_batches), alert and go on.")
+    spike_rewind_steps: int = f(3, "Consecutive spiking steps that make spike_rewind rewind.")
+    max_rewinds: int = f(3, "At most this many spike rewinds in a run (counted across restarts); then spikes only alert.")
 
 
 @dataclass

@@ -1,11 +1,24 @@
-"""Form the process group from the launcher's environment: torchrun, SLURM, or a single process."""
+"""Form the process group from the launcher's environment: torchrun, SLURM, or a single process.
+
+A restarted group (torchrun `--max-restarts`, SLURM `--requeue`) forms a fresh group every time: under torchrun the
+workers meet in the agent's TCP store, which outlives the workers and still holds the previous group's keys (gloo's
+peer addresses among them, so that a restarted rank may dial a dead peer: "Connection refused", or wait on a
+barrier counted by the dead group). Every group therefore first agrees on a generation id that no earlier group can
+have written (`join_generation`) and keeps all its keys under it. Under torchrun a worker also dies with its agent
+(a killed agent leaves no workers behind holding GPUs and ports).
+"""
 
 from __future__ import annotations
 
+import ctypes
 import datetime
 import os
 import re
+import signal
 import socket
+import sys
+import time
+import uuid
 from dataclasses import dataclass
 from typing import Optional
 
@@ -28,6 +41,9 @@ class LaunchInfo:
     local_rank: int
     device: torch.device
     backend: Optional[str]  # None when no process group was formed (single process)
+    restart_count: int = 0  # how often the launcher restarted the job (torchrun's restarts, SLURM's requeues)
+    max_restarts: Optional[int] = None  # torchrun --max-restarts (None: not told)
+    generation: str = ""    # the id this group agreed on (join_generation); "" without a group
 
     @property
     def distributed(self) -> bool:
@@ -139,6 +155,100 @@ def cuda_device_index(local_rank: int, visible: int) -> int:
                       f"many GPUs as tasks, or one GPU per task")
 
 
+def restart_count(env: Optional[dict] = None) -> int:
+    """How often the launcher started this job again: torchrun's restarts (TORCHELASTIC_RESTART_COUNT) plus SLURM's
+    requeues (SLURM_RESTART_COUNT)."""
+    env = os.environ if env is None else env
+    total = 0
+    for key in ("TORCHELASTIC_RESTART_COUNT", "SLURM_RESTART_COUNT"):
+        text = env.get(key) or "0"
+        try:
+            total += int(text)
+        except ValueError:
+            raise LaunchError(f"{key}={text!r} is not an integer") from None
+    return total
+
+
+JOIN_PREFIX = "internlm_core/join"
+
+
+def join_generation(store: dist.Store, rank: int, world_size: int, timeout_s: float,
+                    poll_s: float = 0.02) -> str:
+    """A generation id all `world_size` ranks of this group agree on, fresh: never written by an earlier group that
+    met in the same store.
+
+    Each rank r > 0 writes a fresh random nonce to `hello/r` and waits for `welcome/<nonce>`, a key only this rank
+    can name; rank 0 draws the generation id, answers every nonce it finds (a dead rank's stale one too: harmless,
+    nobody waits on it) until every rank r reported `ready/<generation>/r`, which lives under the fresh id. No key
+    another group wrote can be mistaken for one of this group's.
+    """
+    deadline = time.monotonic() + timeout_s
+    if rank != 0:
+        nonce = uuid.uuid4().hex
+        store.set(f"{JOIN_PREFIX}/hello/{rank}", nonce)
+        try:
+            store.wait([f"{JOIN_PREFIX}/welcome/{nonce}"], datetime.timedelta(seconds=timeout_s))
+        except Exception as e:  # noqa: BLE001 - the store's timeout error, renamed for the user
+            raise LaunchError(f"rank {rank}: rank 0 did not answer within {timeout_s:.0f} s while forming the "
+                              f"process group of {world_size} ({e})") from None
+        generation = store.get(f"{JOIN_PREFIX}/welcome/{nonce}").decode()
+        store.set(f"{JOIN_PREFIX}/ready/{generation}/{rank}", "1")
+        return generation
+    generation = uuid.uuid4().hex[:16]
+    answered: dict[int, bytes] = {}
+    pending = set(range(1, world_size))
+    while pending:
+        for r in sorted(pending):
+            if store.check([f"{JOIN_PREFIX}/ready/{generation}/{r}"]):
+                pending.discard(r)
+                continue
+            if store.check([f"{JOIN_PREFIX}/hello/{r}"]):
+                nonce = store.get(f"{JOIN_PREFIX}/hello/{r}")
+                if answered.get(r) != nonce:
+                    store.set(f"{JOIN_PREFIX}/welcome/{nonce.decode()}", generation)
+                    answered[r] = nonce
+        if pending:
+            if time.monotonic() > deadline:
+                missing = ", ".join(map(str, sorted(pending)))
+                raise LaunchError(f"rank 0: rank(s) {missing} of {world_size} did not join within {timeout_s:.0f} s")
+            time.sleep(poll_s)
+    return generation
+
+
+def _group_store(rank: int, world: int, timeout_s: float) -> tuple[dist.Store, str]:
+    """The store this group meets in (the agent's under torchrun, else rank 0's), under a fresh generation."""
+    addr, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")
+    if not addr or not port:
+        raise LaunchError(f"rank {rank}: MASTER_ADDR and MASTER_PORT must be set to form the process group "
+                          f"(got {addr!r}, {port!r})")
+    agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+    store = dist.TCPStore(addr, int(port), world_size=world, is_master=rank == 0 and not agent_store,
+                          timeout=datetime.timedelta(seconds=timeout_s), wait_for_workers=False,
+                          multi_tenant=not agent_store)
+    generation = join_generation(store, rank, world, timeout_s)
+    return dist.PrefixStore(f"internlm_core/gen/{generation}", store), generation
+
+
+_PR_SET_PDEATHSIG = 1
+
+
+def die_with_parent() -> bool:
+    """Under torchrun: SIGKILL this worker when its agent dies (Linux), so that a killed agent leaves no worker
+    behind. True when armed."""
+    if not sys.platform.startswith("linux") or "TORCHELASTIC_RUN_ID" not in os.environ:
+        return False
+    parent = os.getppid()
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        if libc.prctl(_PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0) != 0:
+            return False
+    except (OSError, AttributeError):
+        return False
+    if os.getppid() != parent:  # the agent died before the signal was armed
+        os.kill(os.getpid(), signal.SIGKILL)
+    return True
+
+
 def init_distributed(launcher: Optional[str] = None, timeout_s: float = 600.0,
                      device_type: Optional[str] = None) -> LaunchInfo:
     """Initialize torch.distributed for this process; single process (world size 1) forms no group.
@@ -153,28 +263,34 @@ def init_distributed(launcher: Optional[str] = None, timeout_s: float = 600.0,
         os.environ.update(slurm_env_to_torch())
     if launcher == "torch" and "RANK" not in os.environ:
         raise LaunchError("launcher torch: RANK/WORLD_SIZE are not set; start with torchrun")
+    die_with_parent()
     rank = int(os.environ.get("RANK", 0))
     world = int(os.environ.get("WORLD_SIZE", 1))
     local = int(os.environ.get("LOCAL_RANK", 0))
+    restarts = restart_count()
+    max_restarts = int(os.environ["TORCHELASTIC_MAX_RESTARTS"]) if "TORCHELASTIC_MAX_RESTARTS" in os.environ else None
     if device_type is None:
         device_type = "cuda" if torch.cuda.is_available() else "cpu"
-    device = torch.device("cuda", cuda_device_index(local, torch.cuda.device_count())) if device_type == "cuda" \
-        else torch.device("cpu")
+    device = torch.device(f"cuda:{local}") if device_type == "cuda" else torch.device("cpu")
     if device.type == "cuda":
         torch.cuda.set_device(device)
     if world == 1 or launcher == "none":
-        return LaunchInfo("none" if world == 1 else launcher, 0, 1, 0, device, None)
+        return LaunchInfo("none" if world == 1 else launcher, 0, 1, 0, device, None, restarts, max_restarts)
     backend = "nccl" if device.type == "cuda" else "gloo"
+    generation = ""
     if not dist.is_initialized():
         try:
-            dist.init_process_group(backend=backend, rank=rank, world_size=world,
+            store, generation = _group_store(rank, world, timeout_s)
+            dist.init_process_group(backend=backend, store=store, rank=rank, world_size=world,
                                     timeout=datetime.timedelta(seconds=timeout_s),
                                     device_id=device if device.type == "cuda" else None)
+        except LaunchError:
+            raise
         except Exception as e:
             raise LaunchError(f"rank {rank} on {socket.gethostname()}: cannot form the process group of "
                               f"{world} ({backend}, master {os.environ.get('MASTER_ADDR')}:"
                               f"{os.environ.get('MASTER_PORT')}): {e}") from None
-    return LaunchInfo(launcher, rank, world, local, device, backend)
+    return LaunchInfo(launcher, rank, world, local, device, backend, restarts, max_restarts, generation)
 
 
 def destroy_distributed() -> None:

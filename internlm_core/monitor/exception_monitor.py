@@ -58,7 +58,7 @@ def _log_files() -> list[Path]:
     return [Path(h.baseFilename) for h in root.handlers if isinstance(h, logging.FileHandler)]
 
 
-def _flush_log_handlers() -> None:
+def flush_log_handlers() -> None:
     for h in logging.getLogger("internlm_core").handlers:
         try:
             h.flush()
@@ -144,7 +144,7 @@ class ExceptionMonitor:
         self.handle(exc)
         if self.hard_exit:
             abort_process_group()
-            _flush_log_handlers()
+            flush_log_handlers()
             sys.stdout.flush()
             sys.stderr.flush()
             os._exit(1)
@@ -180,7 +180,7 @@ class ExceptionMonitor:
             return None
         self.run_dir.mkdir(parents=True, exist_ok=True)
         path = self.run_dir / f"crash_rank{self.rank}.txt"
-        _flush_log_handlers()
+        flush_log_handlers()
         lines = [
             f"time: {time.strftime('%Y-%m-%d %H:%M:%S %z')}",
             f"rank: {self.rank}",

@@ -18,6 +18,10 @@ this callback only judges the metrics record:
 The loss in the metrics record is the same on every rank (it is reduced before logging), so every rank
 raises at the same step; alerts go out from rank 0 only. `state_dict()` carries the average and the
 streak across a restart.
+
+`spike_streak` lists the steps of the current run of consecutive spiking steps (what the spike rewind acts on);
+`unhealthy()` says why a checkpoint saved now would be worse than the last one: an inf/nan streak, or (with
+`veto_spikes`, set when spikes are rewound) a spike streak.
 """
 
 from __future__ import annotations
@@ -78,6 +82,8 @@ class LossHealthMonitor(TrainerCallback):
         self.total_bad = 0
         self.spikes = 0
         self._in_spike = False
+        self.spike_streak: list[int] = []
+        self.veto_spikes = False
 
     def _alert(self, subject: str, content: str, level: str) -> None:
         if self.alerts is not None and self.rank == 0:
@@ -106,8 +112,10 @@ class LossHealthMonitor(TrainerCallback):
             if not self._in_spike:
                 self._alert(f"loss spike at step {step}", msg, level="warning")
             self._in_spike = True
+            self.spike_streak.append(step)
         else:
             self._in_spike = False
+            self.spike_streak = []
         self.ema = loss_f if self.ema is None else self.ema_decay * self.ema + (1 - self.ema_decay) * loss_f
         self.good_steps += 1
         return verdict
@@ -134,6 +142,15 @@ class LossHealthMonitor(TrainerCallback):
                 f"last {what}; {skipped_total} updates skipped in total. Stopping instead of training on "
                 f"garbage: lower the learning rate, check the data, or resume from an earlier checkpoint.")
         return "inf_nan"
+
+    def unhealthy(self) -> Optional[str]:
+        """Why the state now is worse than at the last good step (None: healthy)."""
+        if self.consecutive_bad:
+            return (f"loss or gradient inf/nan for {self.consecutive_bad} step(s) in a row since step "
+                    f"{self.first_bad_step}")
+        if self.veto_spikes and self.spike_streak:
+            return f"loss spike since step {self.spike_streak[0]} ({len(self.spike_streak)} step(s))"
+        return None
 
     def on_step_end(self, trainer: Any, metrics: dict) -> None:
         self.check(int(metrics["step"]), metrics.get("loss"), skipped=bool(metrics.get("skipped", False)),

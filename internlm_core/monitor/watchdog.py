@@ -10,10 +10,16 @@ threads (warning level, this rank's log) and sends an alert (rank 0 only by defa
 collective every rank stalls, and one alert per job is enough; every rank still logs its stacks).
 It keeps watching and fires again only after another full `hang_timeout` without a beat; when a beat
 finally comes, it logs how long the stall lasted.
+
+`monitor.hang_action="exit"` ends the process instead, after the stacks and the alert (flushed, at most 10 s):
+its process group is aborted and it exits with status `HANG_EXIT_CODE`, so peers waiting on it in a collective fail
+at once, and a launcher (torchrun `--max-restarts`, SLURM `--requeue`) restarts the group from the newest complete
+checkpoint instead of leaving it stalled.
 """
 
 from __future__ import annotations
 
+import os
 import socket
 import sys
 import threading
@@ -25,8 +31,12 @@ from internlm_core.callbacks import TrainerCallback
 from internlm_core.utils.logging import get_logger
 
 from .alert import AlertManager
+from .exception_monitor import abort_process_group, flush_log_handlers
 
 logger = get_logger(__name__)
+
+HANG_EXIT_CODE = 3  # the exit status of a process ended by the watchdog (hang_action "exit")
+HANG_ACTIONS = ("alert", "exit")
 
 
 def format_all_stacks() -> str:
@@ -46,12 +56,16 @@ class HangWatchdog(TrainerCallback):
         alerts: where the alert goes (None: log only).
         rank: this process's rank.
         alert_all_ranks: alert from every rank instead of rank 0 only.
+        action: "alert" (keep watching) or "exit" (end the process with HANG_EXIT_CODE after alerting).
     """
 
     def __init__(self, timeout: float, alerts: Optional[AlertManager] = None, rank: int = 0,
-                 alert_all_ranks: bool = False):
+                 alert_all_ranks: bool = False, action: str = "alert"):
         if timeout <= 0:
             raise ValueError(f"hang watchdog timeout: expected > 0 seconds, got {timeout}")
+        if action not in HANG_ACTIONS:
+            raise ValueError(f"monitor.hang_action: expected one of {', '.join(HANG_ACTIONS)}, got {action!r}")
+        self.action = action
         self.timeout = float(timeout)
         self.alerts = alerts
         self.rank = rank
@@ -122,6 +136,8 @@ class HangWatchdog(TrainerCallback):
                 self._fire(since)
             except Exception as e:  # noqa: BLE001 - the watchdog must keep watching
                 logger.error("hang watchdog failed to report: %s", e)
+            if self.action == "exit":
+                self._exit(since)
 
     def _fire(self, since: float) -> None:
         self.fired += 1
@@ -135,9 +151,23 @@ class HangWatchdog(TrainerCallback):
             main = threading.main_thread()
             frame = sys._current_frames().get(main.ident)
             main_stack = "".join(traceback.format_stack(frame)[-6:]) if frame is not None else ""
+            then = (f" Ending the process (exit status {HANG_EXIT_CODE}) so that the launcher restarts the job."
+                    if self.action == "exit" else "")
             self.alerts.send("training may be hung",
-                             f"{msg} on rank {self.rank} ({host}). Main thread:\n{main_stack}"
+                             f"{msg} on rank {self.rank} ({host}).{then} Main thread:\n{main_stack}"
                              "All stacks are in the rank logs.", level="error")
+
+    def _exit(self, since: float) -> None:
+        """hang_action "exit": flush the alerts, abort the process group, end the process."""
+        logger.error("hang watchdog: ending rank %d after %.0f s without a step (monitor.hang_action=exit); exit "
+                     "status %d", self.rank, since, HANG_EXIT_CODE)
+        if self.alerts is not None:
+            self.alerts.flush(10.0)
+        abort_process_group()
+        flush_log_handlers()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(HANG_EXIT_CODE)
 
     # -- trainer callback ------------------------------------------------------------------------------
     def on_train_start(self, trainer: Any) -> None:
@@ -161,9 +191,10 @@ INTERNLM_HANG_TIMEOUT_S = 300.0  # InternLM's monitor_interval_seconds with aler
 
 def build_watchdog(monitor_cfg: Any, alerts: Optional[AlertManager] = None, rank: int = 0) -> Optional[HangWatchdog]:
     """A HangWatchdog from `cfg.monitor.hang_timeout`; None when it is 0 (off). Unset (None): InternLM's 300 s
-    when alerts go somewhere, else off."""
+    when alerts go somewhere, else off. `monitor.hang_action`: alert only, or alert and exit."""
     timeout = getattr(monitor_cfg, "hang_timeout", 0)
     if timeout is None:
         timeout = INTERNLM_HANG_TIMEOUT_S if alerts is not None and alerts.enabled else 0
     timeout = float(timeout or 0)
-    return HangWatchdog(timeout, alerts=alerts, rank=rank) if timeout > 0 else None
+    action = getattr(monitor_cfg, "hang_action", "alert")
+    return HangWatchdog(timeout, alerts=alerts, rank=rank, action=action) if timeout > 0 else None

@@ -19,8 +19,8 @@ from ..config.loader import compat_lines
 from ..distributed import LaunchInfo, ParallelDims, set_deterministic, set_seed
 from ..loss import FlashGPTLMLoss
 from ..metrics import AccPerplex, Throughput
-from ..monitor import (AlertManager, MemoryProfiler, build_loss_health, build_profiler, build_stop_controller,
-                       build_straggler_monitor, build_watchdog)
+from ..monitor import (AlertManager, MemoryProfiler, RestartReporter, build_loss_health, build_profiler,
+                       build_stop_controller, build_straggler_monitor, build_watchdog)
 from ..model import build_model, count_parameters, model_args_from_config, model_flops_per_token, model_spec
 from ..numerics import Kernels, Precision, resolve_precision, select_kernels
 from ..optim import Beta2Scheduler, DynamicGradScaler, WarmupCosineLR, build_optimizer
@@ -30,7 +30,7 @@ from ..utils.peak import device_peak_flops
 from ..utils.timer import Timers
 from ..utils.writer import MetricsWriter
 from ..callbacks import CallbackList, TrainerCallback
-from ..checkpoint import CheckpointCallback, CheckpointManager, RNGState
+from ..checkpoint import CheckpointCallback, CheckpointManager, RNGState, build_spike_rewind
 from .hooks import SchedulerMetricHook
 from .state import BatchSkipper, TrainState
 from .trainer import LoopConfig, Trainer
@@ -117,6 +117,7 @@ def build_monitors(cfg: Config, launch: LaunchInfo, dims: ParallelDims, run_dir:
         "profiler": build_profiler(run_dir, rank, enabled=profiling, dp_rank=dims.dp_rank, tp_rank=dims.tp_rank,
                                    device=launch.device),
         "memory": MemoryProfiler(run_dir, rank, launch.device) if (cfg.monitor.memory_report or profiling) else None,
+        "restart": RestartReporter(run_dir, rank, launch.restart_count, launch.max_restarts, alerts),
     }
     return {name: cb for name, cb in callbacks.items() if cb is not None}
 
@@ -136,6 +137,12 @@ def build_checkpoint_manager(cfg: Config, trainer: Trainer, launch: LaunchInfo, 
     ckpt.register("rng", RNGState(), content="sampler", scope="rank", strict=False)
     # the spike detector's running mean: without it a resumed run would take its first loss as the baseline
     ckpt.register("loss_health", monitors.get("loss_health"), content="sampler", strict=False)
+    # batches to skip, with those a spike rewind added (a restart skips them too), and the rewinds done so far
+    ckpt.register("batch_skipper", trainer.batch_skipper, content="sampler", strict=False)
+    rewind = build_spike_rewind(cfg.monitor, ckpt, monitors.get("loss_health"), trainer.batch_skipper)
+    ckpt.register("spike_rewind", rewind, content="sampler", strict=False)
+    monitors["spike_rewind"] = rewind  # added to the callbacks after the checkpoint callback
+    ckpt.run_dir = str(trainer.run_dir)  # named in the folder's lease
     return ckpt
 
 
@@ -185,7 +192,10 @@ def build_trainer(cfg: Config, launch: LaunchInfo, run_dir: Path, seed: Optional
         train_metric=metric, callbacks=CallbackList(callbacks),
         batch_skipper=BatchSkipper(cfg.data.skip_batches), pipeline=pipeline, precision=precision, kernels=kernels)
     trainer.checkpoint_manager = build_checkpoint_manager(cfg, trainer, launch, monitors, alerts)
-    trainer.callbacks.add(CheckpointCallback(trainer.checkpoint_manager))  # after the stop controller
+    # after the stop controller; no save while the loss is unhealthy; a spike rewind after the save
+    trainer.callbacks.add(CheckpointCallback(trainer.checkpoint_manager, health=monitors.get("loss_health")))
+    if monitors.get("spike_rewind") is not None:
+        trainer.callbacks.add(monitors["spike_rewind"])
     trainer.checkpoint_manager.resume()  # auto_resume / load_ckpt_info
     # opened after the resume: a resumed run writes on in the TensorBoard folder its checkpoint names
     trainer.writer = MetricsWriter(run_dir, active=launch.rank == 0 or launch.launcher == "simulate",

@@ -78,3 +78,15 @@ class BatchSkipper:
             self.num_skipped += 1
             return True
         return False
+
+    def add(self, indices: set[int] | list[int]) -> None:
+        """Skip these batch indices too (the spike rewind adds the batches that spiked)."""
+        self.skip_batches.update(int(i) for i in indices)
+
+    def state_dict(self) -> dict:
+        """The batches to skip, saved so that a restart still skips the ones added during the run."""
+        return {"skip_batches": sorted(self.skip_batches)}
+
+    def load_state_dict(self, sd: dict) -> None:
+        """Union with the batches already known (the config's and those added since the checkpoint)."""
+        self.add(sd.get("skip_batches", []))

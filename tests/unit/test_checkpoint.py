@@ -16,6 +16,7 @@ import torch
 
 from internlm_core.checkpoint import MARKER, CheckpointManager, LocalStorage, find_complete_checkpoints, latest_checkpoint
 from internlm_core.checkpoint.safe_dcp import read_dcp_metadata
+from internlm_core.checkpoint.integrity import file_crc32
 from internlm_core.config import load_config
 from internlm_core.distributed import LaunchInfo
 from internlm_core.errors import CheckpointError
@@ -208,6 +209,7 @@ def test_crafted_dcp_index_is_not_unpickled(tmp_path):
     (folder / ".metadata").write_bytes(pickle.dumps(_Exploit(flag)))
     marker = json.loads((folder / MARKER).read_text())  # the attacker controls every file, the marker too
     marker["files"][".metadata"] = (folder / ".metadata").stat().st_size
+    marker["checksums"][".metadata"] = file_crc32(folder / ".metadata")
     (folder / MARKER).write_text(json.dumps(marker))
     b = build(tmp_path, "b", 1, "ckpt.auto_resume=False")
     with pytest.raises(CheckpointError) as e:
@@ -281,7 +283,8 @@ def test_meta_json_records_layout_contents_and_config(tmp_path):
     assert meta["step"] == 2 and meta["num_consumed_tokens"] == 2 * 2 * 512
     assert meta["layout"] == {"world_size": 1, "dp": 1, "dp_shard": 1, "dp_replicate": 1, "tp": 1, "pp": 1, "zero1": -1}
     assert meta["contents"] == {"model": ["model"], "sampler": ["train_state", "data (one per dp_rank)",
-                                                                 "rng (one per rank)", "loss_health"],
+                                                                 "rng (one per rank)", "loss_health",
+                                                                 "batch_skipper"],
                                 "optimizer": ["optimizer"], "scheduler": ["lr_scheduler", "beta2_scheduler"]}
     assert "other_layout" in meta["resume"] and "hidden_size: 128" in meta["config"]
     assert meta["state"]["train_state"]["batch_count"] == 2 and meta["state"]["lr_scheduler"]["last_step"] == 2

@@ -98,3 +98,23 @@ def test_build_from_config():
 
     h = build_loss_health(Cfg(), rank=0, warmup_steps=3)
     assert (h.spike_ratio, h.max_consecutive_inf_nan, h.warmup_steps) == (1.8, 4, 3)
+
+
+def test_spike_streak_and_unhealthy_reasons():
+    h = LossHealthMonitor(spike_ratio=1.5, warmup_steps=3, ema_decay=0.5)
+    for s in range(1, 5):
+        h.check(s, 2.0)
+    assert h.unhealthy() is None
+    h.check(5, 5.0)  # EMA 2 -> 3.5
+    h.check(6, 8.0)
+    assert h.spike_streak == [5, 6]
+    assert h.unhealthy() is None  # spikes only alert unless a rewind vetoes saves during them
+    h.veto_spikes = True
+    assert h.unhealthy() == "loss spike since step 5 (2 step(s))"
+    h.check(7, 2.0)
+    assert h.spike_streak == [] and h.unhealthy() is None
+    h.check(8, float("nan"))
+    h.check(9, 2.0, skipped=True)
+    assert h.unhealthy() == "loss or gradient inf/nan for 2 step(s) in a row since step 8"
+    h.check(10, 2.0)
+    assert h.unhealthy() is None

@@ -76,3 +76,42 @@ def test_build_from_config():
     assert wd.timeout == 120 and wd.rank == 2
     with pytest.raises(ValueError, match="expected > 0 seconds"):
         HangWatchdog(0)
+
+
+def test_hang_action_exit_ends_the_process_with_its_status(tmp_path):
+    """hang_action "exit": a stalled process alerts (the alert is flushed first) and exits with HANG_EXIT_CODE."""
+    import subprocess
+    import sys
+
+    from internlm_core.monitor.watchdog import HANG_EXIT_CODE
+    from tests.helpers.launch import ROOT, env
+
+    alerts = tmp_path / "alerts.jsonl"
+    code = ("import time\n"
+            "from internlm_core.monitor.alert import AlertManager, FileSink\n"
+            "from internlm_core.monitor.watchdog import HangWatchdog\n"
+            f"am = AlertManager([FileSink({str(alerts)!r})], job_name='hang')\n"
+            "wd = HangWatchdog(0.3, alerts=am, action='exit')\n"
+            "wd.start(); wd.beat(4)\n"
+            "time.sleep(30)\n"
+            "print('not reached')\n")
+    t0 = time.monotonic()
+    p = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env(), capture_output=True, text=True, timeout=60)
+    assert p.returncode == HANG_EXIT_CODE == 3, p.stderr[-2000:]
+    assert time.monotonic() - t0 < 20 and "not reached" not in p.stdout
+    assert "hang watchdog: ending rank 0 after 0 s without a step (monitor.hang_action=exit); exit status 3" in p.stderr
+    import json
+    (alert,) = [json.loads(line) for line in alerts.read_text().splitlines()]
+    assert alert["title"] == "[ERROR] hang: training may be hung"
+    assert "Ending the process (exit status 3) so that the launcher restarts the job." in alert["content"]
+
+
+def test_hang_action_is_checked():
+    with pytest.raises(ValueError, match=r"monitor.hang_action: expected one of alert, exit, got 'restart'"):
+        HangWatchdog(5, action="restart")
+
+    class Cfg:
+        hang_timeout = 30
+        hang_action = "exit"
+
+    assert build_watchdog(Cfg()).action == "exit"
