@@ -15,8 +15,9 @@ $(STAMP): requirements.txt requirements-dev.txt
 
 venv: $(STAMP)
 
-# Build a corpus from Python's standard library, tokenize it, train configs/tiny.py on it.
+# Build a corpus from Python's standard library, tokenize it, train configs/tiny.py on it (from scratch each time).
 demo: $(STAMP)
+	rm -rf $(DEMO_DIR)/corpus $(DEMO_DIR)/data $(DEMO_DIR)/run
 	$(PY) tools/make_demo_corpus.py --out $(DEMO_DIR)/corpus
 	$(PY) tools/tokenizer.py --text_input_path $(DEMO_DIR)/corpus/train --bin_output_path $(DEMO_DIR)/data/train --tokenizer byte
 	$(PY) tools/tokenizer.py --text_input_path $(DEMO_DIR)/corpus/valid --bin_output_path $(DEMO_DIR)/data/valid --tokenizer byte

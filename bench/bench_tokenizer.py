@@ -11,6 +11,11 @@ it is installed, e.g. ``pip install --target /tmp/peer_pkgs transformers==4.40.2
 Every tool runs as a subprocess on the same input; a run on a one-line file measures its start-up (imports, model
 load), reported separately, and "MB/s" is measured over the whole run (start-up included), "steady MB/s" without it.
 Both processes are pinned to the same `--cpus` (default: 2 CPUs).
+
+Before timing anything, the InternLM-compatible mode (`--format internlm --internlm-compat`, BOS and EOS on, as
+InternLM's tool writes them) must reproduce, byte for byte, the files InternLM's tool made from the fixture corpus
+(../shared/fixtures/internlm/corpus_{txt,json,jsonl}.bin and .meta); with the peer, also its output on the timed
+corpus. Any difference is an error: the first differing byte and document are printed and the exit status is 1.
 """
 
 from __future__ import annotations
@@ -41,6 +46,25 @@ def make_corpus(path: Path, mb: float) -> None:
         size += len(line)
         i += 1
     path.write_bytes(b"".join(out))
+
+
+def first_difference(ours: Path, theirs: Path) -> str:
+    """'' when the two files are byte-identical, else where they first differ (byte, line = document)."""
+    a, b = ours.read_bytes(), theirs.read_bytes()
+    if a == b:
+        return ""
+    n = min(len(a), len(b))
+    i = next((k for k in range(n) if a[k] != b[k]), n)
+    line = a.count(b"\n", 0, i) + 1
+    where = f"byte {i} (line {line})" if i < n else f"length {len(a)} vs {len(b)} bytes"
+    return f"{ours.name} differs from {theirs} at {where}"
+
+
+def compare_outputs(ours: Path, theirs: Path) -> list[str]:
+    """Differences of the .bin and its .meta (empty when both are identical)."""
+    diffs = [first_difference(ours, theirs),
+             first_difference(Path(str(ours) + ".meta"), Path(str(theirs) + ".meta"))]
+    return [d for d in diffs if d]
 
 
 def timed(cmd, env=None, cpus=None) -> float:
@@ -79,6 +103,18 @@ def main(argv=None) -> int:
         tiny.write_bytes(corpus.read_bytes().split(b"\n", 1)[0] + b"\n")
         mb = corpus.stat().st_size / 1e6
         ours = [sys.executable, str(ROOT / "tools" / "tokenizer.py"), "--quiet", "--tokenizer", args.model]
+        compat = ["--format", "internlm", "--internlm-compat"]  # BOS and EOS on, as InternLM's tool writes them
+        errors, checks = [], []
+        if Path(args.model).resolve() == (FIX / "V7_sft.model").resolve():
+            for fmt in ("txt", "json", "jsonl"):  # InternLM's own output on the fixture corpus, byte for byte
+                out = tmp / f"fixture_{fmt}.bin"
+                timed(ours + ["--input", str(FIX / f"corpus.{fmt}"), "--output", str(out), "--workers", "1",
+                              *compat])
+                diffs = compare_outputs(out, FIX / f"corpus_{fmt}.bin")
+                errors += diffs
+                checks.append(f"corpus.{fmt} {'identical' if not diffs else 'DIFFERENT'}")
+        else:
+            checks.append("skipped (--model is not the fixtures' V7_sft.model)")
         rows = []
 
         def bench(name, make_cmd, env=None):
@@ -96,9 +132,9 @@ def main(argv=None) -> int:
         for w in (1, ncpu):
             bench(f"ours, format ours, {w} worker(s)",
                   lambda i, o, w=w: ours + ["--input", str(i), "--output", str(o), "--workers", str(w)])
-        ours_compat = bench(f"ours, InternLM-compat, format internlm, {ncpu} workers, no eos",
+        ours_compat = bench(f"ours, InternLM-compat, format internlm, {ncpu} workers",
                             lambda i, o: ours + ["--input", str(i), "--output", str(o), "--workers", str(ncpu),
-                                                 "--format", "internlm", "--internlm-compat", "--no-add-eos"])
+                                                 *compat])
         peer_note = ""
         if args.internlm and Path(args.internlm).is_file():
             peer_dir = tmp / "internlm_tools"
@@ -112,9 +148,10 @@ def main(argv=None) -> int:
                 peer_out = bench("InternLM tools/tokenizer.py (aaaf4d7)",
                                  lambda i, o: [sys.executable, str(peer_dir / "tokenizer.py"), "--text_input_path",
                                                str(i), "--bin_output_path", str(o)], env)
-                same = (peer_out.read_bytes() == ours_compat.read_bytes() and
-                        Path(str(peer_out) + ".meta").read_bytes() == Path(str(ours_compat) + ".meta").read_bytes())
-                peer_note = f"InternLM-compat output identical to InternLM's (bin and meta): {'yes' if same else 'NO'}"
+                diffs = compare_outputs(ours_compat, peer_out)
+                errors += diffs
+                peer_note = ("InternLM-compat output on the timed corpus identical to InternLM's (bin and meta): "
+                             + ("yes" if not diffs else "NO"))
             except RuntimeError as e:
                 rows.append(("InternLM tools/tokenizer.py", None, None, None, None))
                 peer_note = f"InternLM's tokenizer failed: {str(e).splitlines()[-1]}"
@@ -136,6 +173,13 @@ def main(argv=None) -> int:
                 if t is not None and not name.startswith("InternLM"):
                     print(f"ratio to InternLM  {name:44s} {r / pr:6.1f}x  (steady {rs / prs:.1f}x)")
         print(peer_note)
+        print(f"InternLM-compat output against InternLM's files of the fixture corpus: {', '.join(checks)}")
+        if errors:
+            print("error: the InternLM-compatible tokenizer output is not byte-identical to InternLM's:",
+                  file=sys.stderr)
+            for e in errors:
+                print(f"  {e}", file=sys.stderr)
+            return 1
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return 0

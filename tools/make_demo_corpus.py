@@ -1,15 +1,18 @@
 #!/usr/bin/env python
 """Write a demo corpus from Python's standard library, which exists on every machine with Python.
 
-Three kinds of documents, one subfolder each (so that they become three dataset types when tokenized):
+Two kinds of documents, one subfolder each (so that they become two dataset types when tokenized):
 - ``code``: the source of the library's modules (one document per file, tests and site-packages left out);
-- ``docs``: the docstrings of its modules, classes and functions;
-- ``cjk``:  the non-ASCII sample texts of ``test/cjkencodings/*-utf8.txt`` (one document per paragraph), if the
-  installation ships Python's test suite.
+- ``docs``: the docstrings of its modules, classes and functions.
+
+There is no CJK kind: the only CJK prose the standard library ships is the sample text of
+``test/cjkencodings/*-utf8.txt``, 37 distinct lines (3.4 KB, 921 CJK characters), too little both to train on and
+to hold out the 2,000 tokens a validation set needs to mean something.
 
 Output: ``OUT/train/<kind>/stdlib.jsonl`` and ``OUT/valid/<kind>/stdlib.jsonl``, records ``{"text", "source"}``.
 The validation split is chosen by a hash of the source (about `--valid-percent` % of the modules, at most
-`--valid-max-kb` KB per kind), so it is the same on every run and no module is in both splits. Then::
+`--valid-max-kb` KB per kind), so it is the same on every run and no module is in both splits. A kind whose
+validation text would be under `--valid-min-kb` KB (2 KB: 2,000 byte tokens) is an error. Then::
 
     python tools/make_demo_corpus.py --output data/demo/raw
     python tools/tokenizer.py --input data/demo/raw/train --output data/demo/bin/train --tokenizer byte
@@ -61,6 +64,8 @@ def main(argv=None) -> int:
     p.add_argument("--valid-percent", type=float, default=3.0, help="share of modules held out for validation")
     p.add_argument("--valid-max-kb", type=float, default=16.0,
                    help="at most this many KB of validation text per kind (keeps validation quick; 0: no limit)")
+    p.add_argument("--valid-min-kb", type=float, default=2.0,
+                   help="fail when a kind has less validation text than this many KB (default 2: 2,000 byte tokens)")
     p.add_argument("--max-code-mb", type=float, default=0.0,
                    help="keep at most this many MB of source code (0: all; a stable hash order chooses the files)")
     args = p.parse_args(argv)
@@ -112,27 +117,18 @@ def main(argv=None) -> int:
             continue
         for doc, name in docstrings(tree, module):
             emit(split, "docs", doc, name)
-    cjk = stdlib / "test" / "cjkencodings"
-    if cjk.is_dir():
-        seen = set()  # several encodings' samples share their text
-        for f in sorted(cjk.glob("*-utf8.txt")):
-            try:
-                text = f.read_text(encoding="utf-8")
-            except (UnicodeDecodeError, OSError):
-                continue
-            paragraphs = [p.strip() for p in text.split("\n\n") if p.strip()]
-            for i, para in enumerate(paragraphs):
-                if para in seen:
-                    continue
-                seen.add(para)
-                src = f"test/cjkencodings/{f.name}#{i}"
-                emit("valid" if _bucket(src) < max(args.valid_percent, 20.0) else "train", "cjk", para, src)
     for (split, kind), fh in handles.items():
         fh.close()
         os.replace(out / split / kind / "stdlib.jsonl.tmp", out / split / kind / "stdlib.jsonl")
     if not counts:
         print(f"error: {stdlib}: no Python sources found", file=sys.stderr)
         return 1
+    for kind in sorted({k for _, k in counts}):
+        held = counts.get(("valid", kind), [0, 0])[1]
+        if held < args.valid_min_kb * 1e3:
+            print(f"error: validation text of kind {kind!r}: {held} bytes, expected at least "
+                  f"{args.valid_min_kb * 1e3:.0f} (--valid-min-kb); raise --valid-percent", file=sys.stderr)
+            return 1
     for (split, kind), (n, b) in sorted(counts.items()):
         print(f"{split:5s} {kind:4s}: {n:6d} documents, {b / 1e6:6.2f} MB -> {out / split / kind / 'stdlib.jsonl'}")
     print(f"demo corpus from {stdlib} in {time.perf_counter() - t0:.1f} s")

@@ -42,9 +42,17 @@ def test_demo_corpus_end_to_end(tmp_path):
     cfg = DataConfig(seq_len=128, micro_bsz=2, packed_length=256, micro_num=2, valid_micro_num=2, seed=1,
                      train_folder=str(tmp_path / "bin" / "train"), valid_folder=str(tmp_path / "bin" / "valid"))
     ld = build_train_loader(cfg, dp_rank=0, dp_size=1, vocab_size=259)
-    assert set(ld.type_names.values()) >= {"code", "docs"}
+    assert set(ld.type_names.values()) == {"code", "docs"}
     b = next(iter(ld))
     assert b["input_ids"].max() < 259
     valid = build_valid_loaders(cfg, dp_rank=0, dp_size=1, vocab_size=259)
-    assert {"code", "docs"} <= set(valid)
+    assert set(valid) == {"code", "docs"}
     assert sum(1 for _ in valid["docs"]) == len(valid["docs"]) >= 1
+
+
+def test_demo_corpus_refuses_a_validation_set_too_small_to_mean_anything(tmp_path):
+    p = subprocess.run([sys.executable, str(ROOT / "tools" / "make_demo_corpus.py"), "--output", str(tmp_path),
+                        "--max-code-mb", "0.2", "--valid-percent", "0"], capture_output=True, text=True, timeout=300)
+    assert p.returncode == 1
+    assert p.stderr.strip() == ("error: validation text of kind 'code': 0 bytes, expected at least 2000 "
+                                "(--valid-min-kb); raise --valid-percent")

@@ -51,7 +51,10 @@ def test_activation_terms_match_saved_tensors(model_type, extra, dtype):
     mem = e.memory
     # the logits are held by the trainer through backward, not saved by autograd
     predicted = mem.activations - held_logits + mem.weight_copies
-    assert abs(predicted / measured - 1) < 0.05, (predicted, measured)
+    # measured: INTERNLM +0.05% (fp32) and -1.0% (bf16); grouped-query attention -3.0% and -2.7%: CPU attention's
+    # broadcast matmuls save keys and values expanded to the query heads, which the estimate counts at kv size
+    bound = 0.015 if model_type == "INTERNLM" else 0.035
+    assert abs(predicted / measured - 1) < bound, (predicted, measured)
     assert (mem.weight_copies > 0) == (dtype == "torch.bfloat16")  # autocast's 16-bit weight casts
 
 
@@ -61,12 +64,12 @@ def test_7b_parameters_flops_and_internlm_published_throughput():
     assert e8.parameters == 7_321_948_160
     # InternLM's doc/en/train_performance.md (7B, A100, pack_sample_into_one, bf16): TFLOPS / TGS is the FLOPs it
     # counts per token. Without activation checkpointing (micro_bsz 2, micro_num 4): 183 TFLOPS at 4103 TGS.
-    assert abs(e8.model_flops_per_token / (183e12 / 4103) - 1) < 0.01
+    assert abs(e8.model_flops_per_token / (183e12 / 4103) - 1) < 0.01  # measured: +0.04%
     assert e8.tokens_per_step == 131_072  # its "Global Bsz 0.125M" on 8 GPUs
     assert estimate(cfg, 64).tokens_per_step == 1_048_576  # "1M" on 64
     # with activation checkpointing (micro_bsz 8, micro_num 1): 193 TFLOPS at 3314 TGS, recomputation included
     ck = estimate(load_config("configs/7B.py", ["model.checkpoint=True", "data.micro_bsz=8", "data.micro_num=1"]), 8)
-    assert abs(ck.hardware_flops_per_token / (193e12 / 3314) - 1) < 0.02
+    assert abs(ck.hardware_flops_per_token / (193e12 / 3314) - 1) < 0.01  # measured: +0.70%
     assert ck.model_flops_per_token == e8.model_flops_per_token
     # time per step: at the MFU InternLM's 4078 TGS (8 GPUs) implies on A100's 312 TFLOP/s, 4078 TGS back
     mfu = 4078 * e8.model_flops_per_token / 312e12
