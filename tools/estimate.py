@@ -45,9 +45,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--attention", choices=["flash", "sdpa", "cpu_blocked"], default=None,
                    help="attention kernel (default: what the trainer chooses with flash-attn installed: flash for "
                         "bf16/fp16 when the config uses flash-attn, else sdpa with document masks)")
+    p.add_argument("--device", choices=["gpu", "cpu"], default="gpu",
+                   help="gpu (default): CUDA devices with requirements-gpu.txt; cpu: this machine's CPU path (the "
+                        "blocked attention, what it keeps, the process's own memory), as train.py --simulate runs it")
     p.add_argument("--grad-reduce", choices=["micro_batch", "step"], default=None,
                    help="when FSDP reduces gradients (default: the trainer's choice, every micro-batch under sharded "
-                        "data parallel without pipeline; 'step' keeps them unsharded in fp32 between micro-batches)")
+                        "data parallel; 'step' keeps them unsharded in fp32 between micro-batches)")
     p.add_argument("--json", action="store_true", help="print the figures as JSON instead of text")
     return p.parse_args(argv)
 
@@ -64,7 +67,7 @@ def main(argv=None) -> int:
         raise ConfigError(f"--mfu: expected a fraction in (0, 1], got {args.mfu}")
     cfg = load_config(args.config, args.set, world_size=args.gpus)
     kw = dict(mfu=args.mfu, peak_tflops=args.peak_tflops, attention=args.attention, grad_reduce=args.grad_reduce,
-              device_memory_gib=args.gpu_memory_gib or None)
+              device_memory_gib=args.gpu_memory_gib or None, device="cuda" if args.device == "gpu" else "cpu")
     e = estimate(cfg, args.gpus, precision=args.precision, **kw)
     other = estimate(cfg, args.gpus, precision="internlm" if args.precision == "internlm_core" else "internlm_core",
                      **kw)

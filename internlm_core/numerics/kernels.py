@@ -166,9 +166,9 @@ def select_optimizer(requested: str, device_type: str, dtensor_params: bool, ape
 def select_grad_reduce(dp: int, dp_shard: int, pp: int, micro_num: int, notes: list[str]) -> str:
     """Sharded data parallel reduce-scatters every micro-batch: skipping it would keep every parameter's
     gradient unsharded in fp32 until the last micro-batch (4 bytes per parameter, 27 GiB for 7B). Replicated
-    data parallel loses no memory by waiting and all-reduces once. Under pipeline parallel torch's schedule
-    decides (it accumulates; the estimator counts it)."""
-    if dp == 1 or micro_num == 1 or pp > 1 or dp_shard == 1:
+    data parallel loses no memory by waiting and all-reduces once. Under pipeline parallel the stages do the
+    same (parallel/pipeline.py overrides torch's schedule, which would accumulate)."""
+    if dp == 1 or micro_num == 1 or dp_shard == 1:
         return "step"
     notes.append(f"{micro_num} reduce-scatters per step: sharded gradients accumulate, unsharded ones are not kept")
     return "micro_batch"

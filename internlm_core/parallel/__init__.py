@@ -23,13 +23,15 @@ logger = get_logger(__name__)
 
 def parallelize_model(model: nn.Module, spec: ModelSpec, cfg: Any, dims: ParallelDims,
                       device: Optional[torch.device] = None, seed: Optional[int] = None,
-                      precision: Optional[Precision] = None) -> tuple[nn.Module, Optional[PipelineParallel]]:
+                      precision: Optional[Precision] = None, grad_reduce: str = "step"
+                      ) -> tuple[nn.Module, Optional[PipelineParallel]]:
     """Parallelize `model` (of family `spec`) in place according to `cfg.parallel` and `dims`.
 
     A model built on the meta device (`build_model(cfg, "meta")`) is split, sharded and only then
     materialized on `device` and initialized from `seed` (default `cfg.seed`): no rank ever allocates more
     than its shards, and every layout starts from the same weights (model/init.py). Under FSDP, `precision`
-    sets its mixed precision policy (16-bit all-gathers, fp32 gradient reduction and master weights).
+    sets its mixed precision policy (16-bit all-gathers, fp32 gradient reduction and master weights);
+    `grad_reduce` "micro_batch" makes pipeline stages reduce-scatter every micro-batch's gradients.
     Returns (model, pipeline): `model` is what this rank trains, with the parameter names of the full
     model (under pipeline parallel only this rank's stages); `pipeline` runs the stages (None when
     parallel.pipeline == 1).
@@ -62,7 +64,8 @@ def parallelize_model(model: nn.Module, spec: ModelSpec, cfg: Any, dims: Paralle
         logits_mesh = dims.submesh("tp") if dims.tp > 1 and cfg.model.parallel_output else None
         pipeline = PipelineParallel(chunks, stage_ids, dims.pp * cfg.model.num_chunks, cfg.data.micro_num,
                                     dims.group("pp"), device, logits_mesh=logits_mesh,
-                                    stage_io=_simulated_stage_io(spec, cfg, dims, precision))
+                                    stage_io=_simulated_stage_io(spec, cfg, dims, precision),
+                                    reduce_each_micro_batch=grad_reduce == "micro_batch")
     return model, pipeline
 
 

@@ -164,7 +164,7 @@ def build_trainer(cfg: Config, launch: LaunchInfo, run_dir: Path, seed: Optional
     model = build_model(cfg, "meta", attn_backend=kernels.attention)
     n_params = count_parameters(model)
     model, pipeline = parallelize_model(model, model_spec(cfg), cfg, dims, launch.device, seed=seed,
-                                        precision=precision)
+                                        precision=precision, grad_reduce=kernels.grad_reduce)
     args = model_args_from_config(cfg, launch.device.type, attn_backend=kernels.attention)
     logger.info(f"model {cfg.model_type}: {n_params:,} parameters, {cfg.model.num_layers} layers, "
                 f"hidden {cfg.model.hidden_size}, attention {getattr(args, 'attn_backend', '-')}, dtype {cfg.model.dtype}; "

@@ -95,20 +95,23 @@ def test_7b_internlm_published_configs_fit_their_80gb_gpus():
 def test_7b_on_8_gpus_counts_what_gradient_accumulation_keeps():
     """configs/7B.py on 8 GPUs (zero1=8, micro_num 4): the trainer reduce-scatters every micro-batch, so only the
     sharded fp32 gradients accumulate; reducing once per step would keep 4 * (1 - 1/8) bytes per parameter more
-    (23.9 GiB), which a pipeline layout (whose schedule accumulates) does keep."""
+    (23.9 GiB). Pipeline stages reduce-scatter every micro-batch too (parallel/pipeline.py overrides torch's
+    schedule, which would accumulate)."""
     cfg = load_config("configs/7B.py")
     e = estimate(cfg, 8)
     assert e.grad_reduce == "micro_batch" and e.memory.accumulated_gradients == 0
     kept = estimate(cfg, 8, grad_reduce="step")
     assert kept.memory.accumulated_gradients == 4 * 7_321_948_160 * 7 / 8
     assert kept.memory.total - e.memory.total == pytest.approx(23.87 * GiB, rel=1e-3)
-    assert kept.memory.total > 79 * GiB  # the peak this layout would have had: about 80 GiB, not 56
+    # FSDP gathers bf16 weights (no autocast copies): 41.0 GiB; reducing once per step would peak at 64.9 GiB
+    assert e.memory.weight_copies == 0 and e.memory.total == pytest.approx(40.99 * GiB, rel=1e-3)
+    assert kept.memory.total == pytest.approx(64.85 * GiB, rel=1e-3)
     text = format_estimate(e)
     assert "accumulated gradients       0.00 GiB  (0: reduce-scattered every micro-batch)" in text
     assert "reducing once per step would keep them unsharded, 23.9 GiB more" in text
     assert "accumulated gradients      23.87 GiB  (unsharded fp32 until the last micro-batch)" in format_estimate(kept)
     pp = estimate(load_config("configs/7B.py", ["parallel.pipeline=2", "parallel.zero1=4"]), 8)
-    assert pp.grad_reduce == "step" and pp.memory.accumulated_gradients > 0
+    assert pp.grad_reduce == "micro_batch" and pp.memory.accumulated_gradients == 0
     single = estimate(load_config("configs/7B.py", ["parallel.zero1=1"]), 8)  # replicated: nothing beyond the shard
     assert single.grad_reduce == "step" and single.memory.accumulated_gradients == 0
 
@@ -145,7 +148,11 @@ def test_layout_divides_what_it_shards():
     pp = estimate(load_config("configs/7B.py", ["parallel.zero1=1", "parallel.pipeline=4"]), 4)
     assert pp.memory.stage in ("first", "last") and pp.memory.parameters < m8.parameters * 8 / 4 * 1.2
     ck = estimate(load_config("configs/7B.py", ["model.checkpoint=True"]), 8).memory
-    assert ck.activations < 0.2 * m8.activations and ck.weight_copies < 0.1 * m8.weight_copies
+    assert ck.activations < 0.2 * m8.activations
+    assert ck.weight_copies == m8.weight_copies == 0  # FSDP gathers bf16 weights: autocast copies none
+    tp_only = estimate(load_config("configs/7B.py", ["parallel.tensor=8"]), 8).memory  # no FSDP: autocast copies
+    tp_ck = estimate(load_config("configs/7B.py", ["parallel.tensor=8", "model.checkpoint=True"]), 8).memory
+    assert tp_only.weight_copies > 0 and tp_ck.weight_copies < 0.1 * tp_only.weight_copies
 
 
 def test_estimate_cli(tmp_path):
@@ -179,10 +186,13 @@ def test_format_mentions_every_nonzero_term():
     e = estimate(load_config("configs/7B.py", ["loss.label_smoothing=0.1"]), 8, device_memory_gib=40,
                  grad_reduce="step", attention="sdpa")
     text = format_estimate(e)
-    for label in ("parameters", "gradients", "optimizer state", "16-bit weight copies", "FSDP gathered",
-                  "accumulated gradients", "activations"):
+    for label in ("parameters", "gradients", "optimizer state", "FSDP gathered", "accumulated gradients",
+                  "activations"):
         assert label in text, label
     assert "does NOT fit in 40 GiB" in text
+    # tensor parallel without FSDP: autocast keeps its 16-bit copies of the weights
+    tp = format_estimate(estimate(load_config("configs/7B.py", ["parallel.tensor=8"]), 8))
+    assert "16-bit weight copies" in tp and "16-bit weight copies" not in text
 
 
 # ---- peak memory of real runs of train.py on CPU -------------------------------------------------------------

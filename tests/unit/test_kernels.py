@@ -44,7 +44,7 @@ TABLE = {
     "cuda bf16, one micro-batch": ("torch.bfloat16", "cuda", dict(dp=8, dp_shard=8, micro_num=1), ALL, {},
                                    ("flash", "flash", "torch", "fused", "step"), 0),
     "cuda bf16, pipeline": ("torch.bfloat16", "cuda", dict(dp=4, dp_shard=4, pp=2, micro_num=4), ALL, {},
-                            ("flash", "flash", "torch", "fused", "step"), 0),
+                            ("flash", "flash", "torch", "fused", "micro_batch"), 0),
     "cuda bf16, tensor parallel": ("torch.bfloat16", "cuda", dict(tp=2), ALL, {},
                                    ("flash", "vocab_parallel", "torch", "fused", "step"), 0),
     "cuda fp16": ("torch.float16", "cuda", {}, ALL, {}, ("flash", "flash", "torch", "apex", "step"), 0),
