@@ -46,7 +46,10 @@ class Fault(TrainerCallback):
             return
         if self.kind == "raise":
             raise RuntimeError(f"injected failure on rank {trainer.rank} at step {self.step}")
-        time.sleep(3600 if self.kind == "hang" else 8)
+        if self.kind == "hang":
+            time.sleep(3600)
+        else:
+            time.sleep(8)
 
 
 if __name__ == "__main__":

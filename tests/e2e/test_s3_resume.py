@@ -56,7 +56,9 @@ def test_upload_to_s3_kill_and_auto_resume_from_it(tmp_path, s3_env):
     marker = json.loads(client.get_object(Bucket=BUCKET, Key="runs/tiny/10/COMPLETE")["Body"].read())
     listed = {o["Key"]: o["Size"] for o in client.list_objects_v2(Bucket=BUCKET, Prefix="runs/tiny/")["Contents"]}
     assert marker["step"] == 10 and {f"runs/tiny/10/{k}": v for k, v in marker["files"].items()} == \
-        {k: v for k, v in listed.items() if not k.endswith("/COMPLETE")}
+        {k: v for k, v in listed.items() if k.startswith("runs/tiny/10/") and not k.endswith("/COMPLETE")}
+    assert sorted(marker["checksums"]) == sorted(marker["files"])  # crc32 of every uploaded file
+    assert "runs/tiny/LEASE" in listed  # the killed run's lease, taken over by the next run (its holder is gone)
 
     q = run_train(train_args(tmp_path / "resumed", folder, tmp_path / "stage"), extra_env=env)
     assert q.returncode == 0, q.stdout[-3000:] + q.stderr[-3000:]
@@ -65,6 +67,7 @@ def test_upload_to_s3_kill_and_auto_resume_from_it(tmp_path, s3_env):
     assert [r["step"] for r in resumed] == list(range(11, STEPS + 1))
     assert [r["loss"] for r in resumed] == [ref_loss[s] for s in range(11, STEPS + 1)]
     assert client.head_object(Bucket=BUCKET, Key="runs/tiny/20/COMPLETE")["ContentLength"] > 0
+    assert "runs/tiny/LEASE" not in {o["Key"] for o in client.list_objects_v2(Bucket=BUCKET, Prefix="runs/")["Contents"]}
     assert not list((tmp_path / "stage/upload").glob("*"))  # local copies removed after their uploads
 
     logs = [p.stdout, p.stderr, q.stdout, q.stderr] + [f.read_text() for f in tmp_path.glob("*/rank*.log")]
