@@ -6,6 +6,7 @@ metrics.jsonl marks the restart. A hang under hang_action "exit" ends every rank
 from __future__ import annotations
 
 import json
+import os
 import re
 import uuid
 from pathlib import Path
@@ -17,13 +18,14 @@ from tests.helpers.launch import read_metrics
 
 pytestmark = pytest.mark.slow
 
-STEPS = 12
+STEPS = 10
 
 
 def train_args(run: Path, ckpt: Path, *extra: str) -> list[str]:
     return ["--config", "configs/tiny.py", "--run-dir", str(run), "--set", f"data.total_steps={STEPS}",
             "data.micro_num=1", "data.valid_every=0", "monitor.tensorboard=False", "monitor.log_every=100",
-            "ckpt.enable_save_ckpt=True", f"ckpt.save_ckpt_folder={ckpt}", "ckpt.checkpoint_every=4", *extra]
+            "ckpt.enable_save_ckpt=True", f"ckpt.save_ckpt_folder={ckpt}", "ckpt.checkpoint_every=3",
+            "ckpt.async_upload=False", *extra]  # step 3's checkpoint complete before step 4 begins
 
 
 def records(run: Path) -> list[dict]:
@@ -35,7 +37,7 @@ def test_worker_killed_on_one_node_restarts_both_and_resumes_bitwise(tmp_path):
     logs = [tmp_path / "agent0.log", tmp_path / "agent1.log"]
     agents = [agent(train_args(run, ckpt), nnodes=2, nproc=1, port=port, run_id=run_id, max_restarts=1, log=log)
               for log in logs]
-    killed = kill_worker_after(agents, run, step=6, rank=1, timeout=180)
+    killed = kill_worker_after(agents, run, step=4, rank=1, timeout=180)
     codes = wait_all(agents, timeout=240)
     text = [log.read_text() for log in logs]
     assert killed is not None, text[0][-3000:]
@@ -52,7 +54,7 @@ def test_worker_killed_on_one_node_restarts_both_and_resumes_bitwise(tmp_path):
     after = recs[recs.index(restart) + 1:]
     resumed, before = restart["step"], {r["step"]: r["loss"] for r in first if r["kind"] == "train"}
     assert restart["restart"] == 1 and restart["max_restarts"] == 1 and restart["checkpoint"] == str(ckpt / str(resumed))
-    assert resumed % 4 == 0 and resumed < restart["last_step"] == max(before) >= 6
+    assert resumed % 3 == 0 and resumed < restart["last_step"] == max(before) >= 4
     again = {r["step"]: r["loss"] for r in after if r["kind"] == "train"}
     assert sorted(again) == list(range(resumed + 1, STEPS + 1))
     assert all(again[s] == before[s] for s in range(resumed + 1, restart["last_step"] + 1))  # bitwise
@@ -60,6 +62,8 @@ def test_worker_killed_on_one_node_restarts_both_and_resumes_bitwise(tmp_path):
     assert f"restart 1 of at most 1: the run stopped after step {restart['last_step']}" in text[0] + text[1]
 
 
+@pytest.mark.skipif(not os.environ.get("INTERNLM_CORE_LONG_TESTS"), reason="15 s more; INTERNLM_CORE_LONG_TESTS=1 runs "
+                    "it (hang_action exit is also tested in one process, and a crash ending both ranks end to end)")
 def test_hang_ends_every_rank_instead_of_waiting(tmp_path):
     """Rank 1 hangs after step 3: its watchdog ends it (status 3), rank 0 loses its peer and ends too; with no
     restarts left the agent gives up at once instead of sitting in a collective for the dist timeout."""
