@@ -95,11 +95,6 @@ class Layout:
                 f"{f' x {self.num_chunks} chunks' if self.num_chunks > 1 else ''}")
 
 
-# Resident memory of a training process on CPU before its model exists: Python, torch's libraries (oneDNN, MKL),
-# the data loader. Measured with the memory report (its `overhead`) on the development VM: 0.42-0.47 GiB.
-CPU_PROCESS_BYTES = 0.45 * 1024**3
-
-
 @dataclass
 class Memory:
     """Peak bytes on the busiest device, by what holds them."""
@@ -112,15 +107,14 @@ class Memory:
     accumulated_gradients: float = 0.0  # unsharded fp32 gradients kept between micro-batches (beyond the shard)
     activations: float = 0.0     # tensors saved for backward (all layers, in-flight micro-batches)
     loss_peak: float = 0.0       # transient buffers of the loss backward (logits gradient)
-    runtime: float = 0.0         # CPU: the process itself (interpreter, torch's libraries, data loader)
     stage: str = ""
 
     ORDER = ("parameters", "gradients", "optimizer", "weight_copies", "fsdp_gathered", "accumulated_gradients",
-             "activations", "loss_peak", "runtime")
+             "activations", "loss_peak")
     LABELS = {"parameters": "parameters", "gradients": "gradients", "optimizer": "optimizer state",
               "weight_copies": "16-bit weight copies", "fsdp_gathered": "FSDP gathered",
               "accumulated_gradients": "accumulated gradients", "activations": "activations",
-              "loss_peak": "loss backward peak", "runtime": "process (CPU)"}
+              "loss_peak": "loss backward peak"}
 
     @property
     def states(self) -> float:
@@ -278,8 +272,6 @@ def estimate(cfg: Config, world_size: int = 1, precision: str = "internlm_core",
             mem.optimizer = 12 * per_tp / lay.dp_shard
         mem.activations = act
         mem.loss_peak = loss_peak if with_head else 0.0
-        # on CPU the memory report's peak is the process's resident memory: it includes the process itself
-        mem.runtime = CPU_PROCESS_BYTES if device == "cpu" else 0.0
         return mem
 
     stage_layer_params = L_stage * layer_params

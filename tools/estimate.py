@@ -47,7 +47,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "bf16/fp16 when the config uses flash-attn, else sdpa with document masks)")
     p.add_argument("--device", choices=["gpu", "cpu"], default="gpu",
                    help="gpu (default): CUDA devices with requirements-gpu.txt; cpu: this machine's CPU path (the "
-                        "blocked attention, what it keeps, the process's own memory), as train.py --simulate runs it")
+                        "blocked attention and what it keeps), as train.py --simulate runs it")
     p.add_argument("--grad-reduce", choices=["micro_batch", "step"], default=None,
                    help="when FSDP reduces gradients (default: the trainer's choice, every micro-batch under sharded "
                         "data parallel; 'step' keeps them unsharded in fp32 between micro-batches)")

@@ -120,11 +120,11 @@ def test_document_ids_round_trip_and_same_attention():
     assert cu_seqlens_from_document_ids(doc).tolist() == cu.tolist()
     # the same id in two rows are still two documents (row starts are boundaries)
     assert cu_seqlens_from_document_ids(torch.zeros(2, 32, dtype=torch.long)).tolist() == [0, 32, 64]
-    a = build_packed_meta(cu, 2, 32, "sdpa", torch.device("cpu"))
-    b = build_packed_meta(None, 2, 32, "sdpa", torch.device("cpu"), document_ids=doc)
+    a = build_packed_meta(cu, 2, 32, "cpu_blocked", torch.device("cpu"))
+    b = build_packed_meta(None, 2, 32, "cpu_blocked", torch.device("cpu"), document_ids=doc)
     assert len(a.block_masks) == len(b.block_masks) == 1 and torch.equal(a.block_masks[0], b.block_masks[0])
     with pytest.raises(ValueError, match=r"document_ids must have shape \[2, 32\]"):
-        build_packed_meta(None, 2, 32, "sdpa", torch.device("cpu"), document_ids=doc.view(1, 64))
+        build_packed_meta(None, 2, 32, "cpu_blocked", torch.device("cpu"), document_ids=doc.view(1, 64))
     torch.manual_seed(0)
     model = build_model(small_cfg(num_layers=2)).eval()
     ids = torch.randint(0, 96, (2, 32))
