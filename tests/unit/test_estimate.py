@@ -208,7 +208,7 @@ BASE = ["data.total_steps=4", "data.valid_every=0", "monitor.memory_report=True"
 @pytest.mark.parametrize("extra", [
     ["data.seq_len=512", "data.micro_bsz=2"],  # fp32
     ["model_type=LLAMA", "model.num_kv_attention_heads=2", "model.dtype=torch.bfloat16", "model.checkpoint=0.5",
-     "data.seq_len=1024", "data.micro_bsz=1"],  # GQA, bf16 autocast, half the layers recomputed
+     "data.seq_len=512", "data.micro_bsz=1"],  # GQA, bf16 autocast, half the layers recomputed (ratio 0.90)
 ], ids=["fp32", "bf16-gqa-ckpt"])
 def test_estimate_within_25_percent_of_measured_cpu_peak(tmp_path, extra):
     sets = BASE + extra
