@@ -60,17 +60,70 @@ def _onednn_matmul_backward(ctx, grad_out: torch.Tensor):
 onednn_matmul.register_autograd(_onednn_matmul_backward, setup_context=_onednn_matmul_setup)
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """F.linear; for plain fp32 CPU tensors outside autocast, forward and backward on oneDNN's fp32 GEMM.
+def _cpu_has_half_gemm() -> dict[torch.dtype, bool]:
+    """Whether this CPU multiplies bf16 / fp16 natively (AVX-512 BF16/FP16, AMX); without it oneDNN and MKL
+    emulate them, and the backward's GEMMs run ~100x slower than fp32 (0.3 GFLOP/s on an AVX2 EPYC)."""
+    try:
+        return {torch.bfloat16: bool(torch.ops.mkldnn._is_mkldnn_bf16_supported()),
+                torch.float16: bool(torch.ops.mkldnn._is_mkldnn_fp16_supported())}
+    except (AttributeError, RuntimeError):
+        return {torch.bfloat16: False, torch.float16: False}
 
-    torch runs fp32 matmuls on MKL, which on some CPUs (AMD's, as here) takes an AVX2 code path; oneDNN,
-    shipped inside torch and already used for bf16, runs AVX-512 and is about 2x faster for these shapes.
-    Both are IEEE fp32 (results differ by summation order only). DTensors (tensor parallel), other devices
-    and dtypes, and autocast (whose bf16 matmuls already run on oneDNN) take F.linear.
+
+_CPU_HALF_GEMM = _cpu_has_half_gemm()
+
+
+def cpu_half_gemm_upcast(dtype: torch.dtype) -> bool:
+    """Linear layers of this 16-bit dtype run their GEMMs in fp32 on this CPU (see HalfLinearFp32Gemm)."""
+    return dtype in _CPU_HALF_GEMM and not _CPU_HALF_GEMM[dtype]
+
+
+class HalfLinearFp32Gemm(torch.autograd.Function):
+    """A bf16/fp16 linear whose three GEMMs (forward, input and weight gradient) run in fp32.
+
+    Same numbers as a native 16-bit GEMM, which also accumulates in fp32 and rounds the result once; the
+    16-bit inputs are what autograd keeps, so activation memory is that of the 16-bit layer, plus one fp32
+    copy of the operands while a GEMM runs. Works on DTensors (tensor parallel): every op is a torch op.
     """
-    if (_ONEDNN_LINEAR and x.device.type == "cpu" and x.dtype == torch.float32 and weight.dtype == torch.float32
-            and not isinstance(weight, DTensor) and not isinstance(x, DTensor)
-            and not torch.is_autocast_enabled("cpu")):
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(x, weight)
+        return F.linear(x.float(), weight.float()).to(x.dtype)
+
+    @staticmethod
+    def backward(ctx, grad_out: torch.Tensor):
+        x, weight = ctx.saved_tensors
+        g = grad_out.float()
+        grad_x = grad_w = None
+        if ctx.needs_input_grad[0]:
+            grad_x = (g @ weight.float()).to(x.dtype)
+        if ctx.needs_input_grad[1]:
+            grad_w = (g.reshape(-1, g.shape[-1]).t() @ x.float().reshape(-1, x.shape[-1])).to(weight.dtype)
+        return grad_x, grad_w
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """F.linear, with two CPU paths that compute the same numbers faster.
+
+    Plain fp32 CPU tensors outside autocast: forward and backward on oneDNN's fp32 GEMM. torch runs fp32
+    matmuls on MKL, which on some CPUs (AMD's, as here) takes an AVX2 code path; oneDNN, shipped inside torch
+    and already used for bf16, runs AVX-512 and is about 2x faster for these shapes. Both are IEEE fp32
+    (results differ by summation order only).
+    bf16/fp16 on a CPU without native 16-bit GEMM (weights in 16 bits, or autocast to 16 bits): the GEMMs run
+    in fp32 and round once (HalfLinearFp32Gemm), as a native kernel does; tensor-parallel DTensors included.
+    Other devices (GPUs) always take F.linear.
+    """
+    if x.device.type != "cpu":
+        return F.linear(x, weight, bias)
+    autocast = torch.is_autocast_enabled("cpu")
+    half = torch.get_autocast_dtype("cpu") if autocast else weight.dtype
+    if cpu_half_gemm_upcast(half) and (autocast or x.dtype == half):
+        with torch.autocast("cpu", enabled=False):
+            y = HalfLinearFp32Gemm.apply(x.to(half), weight.to(half))
+            return y if bias is None else y + bias.to(half)
+    if (_ONEDNN_LINEAR and x.dtype == torch.float32 and weight.dtype == torch.float32
+            and not isinstance(weight, DTensor) and not isinstance(x, DTensor) and not autocast):
         y = onednn_matmul(x, weight)
         return y if bias is None else y + bias
     return F.linear(x, weight, bias)

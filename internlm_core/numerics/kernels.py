@@ -14,7 +14,8 @@ cross_entropy   flash         flash-attn's Triton kernel (in-place backward); CU
                 fused_chunked_compiled  the same, chunks under torch.compile (model.compile)
                 torch         F.cross_entropy on fp32 logits (label smoothing without flash-attn)
                 vocab_parallel  torch's loss_parallel over vocabulary-sharded logits (tensor parallel)
-linear          onednn        fp32 linear layers on oneDNN's GEMM (CPU); torch: F.linear
+linear          onednn        fp32 linear layers on oneDNN's GEMM (CPU); torch: F.linear;
+                fp32_gemm     bf16/fp16 linear layers on a CPU without native 16-bit GEMM: fp32 GEMMs, rounded once
 optimizer       apex          NVIDIA apex FusedAdam (plain tensors on CUDA only)
                 fused         torch's fused AdamW (CUDA, CPU); foreach: torch's multi-tensor AdamW
 grad_reduce     micro_batch   FSDP reduce-scatters every micro-batch (sharded data parallel, as torchtitan)
@@ -29,6 +30,7 @@ from typing import Any, Optional
 import torch
 
 from ..errors import ConfigError
+from ..model.layers import cpu_half_gemm_upcast
 from ..utils import accelerators
 from ..utils.accelerators import Probe
 from ..utils.logging import get_logger
@@ -69,6 +71,7 @@ class Probes:
     flash_cross_entropy: Probe = accelerators.NOT_INSTALLED
     apex: Probe = accelerators.NOT_INSTALLED
     onednn: bool = False
+    native_half_gemm: tuple[torch.dtype, ...] = ()  # 16-bit dtypes this CPU multiplies natively (AVX-512/AMX)
 
 
 def probe_all(device_type: str) -> Probes:
@@ -78,7 +81,8 @@ def probe_all(device_type: str) -> Probes:
         flash_attn=accelerators.probe_flash_attn(device_type) if cuda else accelerators.NOT_INSTALLED,
         flash_cross_entropy=accelerators.probe_flash_cross_entropy(device_type) if cuda else accelerators.NOT_INSTALLED,
         apex=accelerators.probe_apex(device_type) if cuda else accelerators.NOT_INSTALLED,
-        onednn=device_type == "cpu" and accelerators.onednn_linear_available())
+        onednn=device_type == "cpu" and accelerators.onednn_linear_available(),
+        native_half_gemm=tuple(d for d in (torch.bfloat16, torch.float16) if not cpu_half_gemm_upcast(d)))
 
 
 # package -> (why it does not work, what falls back): one warning per broken package
@@ -193,6 +197,10 @@ def select_kernels(model_cfg: Any, adam_cfg: Any, precision: Precision, device: 
     cross_entropy = select_cross_entropy(device_type, label_smoothing, tp > 1 and model_cfg.parallel_output,
                                          model_cfg.compile, probes.flash_cross_entropy, notes, fallbacks)
     linear = "onednn" if device_type == "cpu" and probes.onednn else "torch"
+    if device_type == "cpu" and precision.half and precision.compute_dtype not in probes.native_half_gemm:
+        linear = "fp32_gemm"
+        notes.append(f"this CPU has no native {str(precision.compute_dtype).removeprefix('torch.')} GEMM: "
+                     f"linear layers multiply in fp32 and round once (the numbers of a native kernel)")
     optimizer = select_optimizer(adam_cfg.fused, device_type, dp > 1 or tp > 1, probes.apex, notes, fallbacks)
     grad_reduce = select_grad_reduce(dp, dp_shard, pp, micro_num, notes)
     kernels = Kernels(attention, cross_entropy, linear, optimizer, grad_reduce, tuple(notes),

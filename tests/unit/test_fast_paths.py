@@ -1,5 +1,6 @@
 """The CPU fast paths against their reference paths: fused chunked cross entropy vs torch's, blocked matmul
-attention (causal, and with per-block document masks) vs SDPA (causal, and with the dense document mask)."""
+attention (causal, and with per-block document masks) vs SDPA (causal, and with the dense document mask), the
+16-bit linear with fp32 GEMMs vs fp32 math rounded once."""
 
 import pytest
 import torch
@@ -7,6 +8,7 @@ import torch.nn.functional as F
 
 import internlm_core.loss as loss_module
 from internlm_core.loss import FlashGPTLMLoss, _ChunkedCrossEntropy
+from internlm_core.model.layers import HalfLinearFp32Gemm, linear
 from internlm_core.model.attention import (PackedMeta, _causal_document_mask, attention, block_document_masks,
                                            blocked_causal_attention, build_packed_meta,
                                            document_ids_from_cu_seqlens)
@@ -111,3 +113,31 @@ def test_onednn_linear_equals_f_linear(bias):
         assert a.shape == b.shape and torch.allclose(a, b, atol=1e-4)
     with torch.autocast("cpu", dtype=torch.bfloat16):  # autocast: F.linear in bf16
         assert lin(x).dtype == torch.bfloat16
+
+
+@pytest.mark.parametrize("autocast", [False, True])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_half_linear_with_fp32_gemm(dtype, autocast):
+    """Output and both gradients within one rounding of the fp32 math (the error bound of any 16-bit GEMM that
+    accumulates in fp32: half an ulp of each operand and of the result, scaled by sum |a||b|), under 16-bit
+    weights and under autocast; the 16-bit operands are what autograd keeps."""
+    g = torch.Generator().manual_seed(1)
+    x32, w32, b32 = torch.randn(3, 40, 96, generator=g), torch.randn(80, 96, generator=g), torch.randn(80, generator=g)
+    dy = torch.randn(3, 40, 80, generator=g).to(dtype)
+    x = x32.to(dtype).requires_grad_()
+    w = (w32 if autocast else w32.to(dtype)).requires_grad_()
+    b = (b32 if autocast else b32.to(dtype)).requires_grad_()
+    with torch.autocast("cpu", dtype=dtype, enabled=autocast):
+        y = HalfLinearFp32Gemm.apply(x, w.to(dtype)) + b.to(dtype) if not autocast else linear(x, w, b)
+    assert y.dtype == dtype
+    y.backward(dy)
+    xr, wr, dyr = x.detach().double(), w.detach().to(dtype).double(), dy.double()
+    ulp = 2.0 ** (-8 if dtype == torch.bfloat16 else -11)
+    checks = [(y.double(), xr @ wr.t() + b.detach().to(dtype).double(), xr.abs() @ wr.abs().t()),
+              (x.grad.double(), dyr @ wr, dyr.abs() @ wr.abs()),
+              (w.grad.double(), dyr.reshape(-1, 80).t() @ xr.reshape(-1, 96),
+               dyr.abs().reshape(-1, 80).t() @ xr.abs().reshape(-1, 96))]
+    for got, ref, scale in checks:
+        err = (got - ref).abs() / (scale + ref.abs() + 1e-30)
+        assert err.max().item() <= 4 * ulp, err.max().item()
+    assert w.grad.dtype == w.dtype and x.grad.dtype == dtype

@@ -19,7 +19,8 @@ from internlm_core.utils.accelerators import NOT_INSTALLED, WORKING, Probe
 BROKEN = Probe(installed=True, ok=False, detail="ImportError: flash_attn_2_cuda.so: undefined symbol: _ZN3c10")
 ALL = Probes(flash_attn=WORKING, flash_cross_entropy=WORKING, apex=WORKING)
 NONE = Probes()
-CPU = Probes(onednn=True)
+CPU = Probes(onednn=True)  # a CPU without native 16-bit GEMM (AVX2), like this machine
+CPU_AMX = Probes(onednn=True, native_half_gemm=(torch.bfloat16, torch.float16))
 FSDP8 = dict(dp=8, dp_shard=8, micro_num=4)  # configs/7B.py on 8 GPUs: zero1=8
 
 # id: (dtype, device, layout, probes, model / adam / loss overrides) -> (attention, cross entropy, linear, optimizer,
@@ -27,9 +28,13 @@ FSDP8 = dict(dp=8, dp_shard=8, micro_num=4)  # configs/7B.py on 8 GPUs: zero1=8
 TABLE = {
     "cpu fp32": ("torch.float32", "cpu", {}, CPU, {}, ("cpu_blocked", "fused_chunked", "onednn", "fused", "step"), 0),
     "cpu bf16 compiled": ("torch.bfloat16", "cpu", {}, CPU, {"compile": True},
-                          ("cpu_blocked", "fused_chunked_compiled", "onednn", "fused", "step"), 0),
+                          ("cpu_blocked", "fused_chunked_compiled", "fp32_gemm", "fused", "step"), 0),
     "cpu label smoothing": ("torch.bfloat16", "cpu", {}, CPU, {"label_smoothing": 0.1},
-                            ("cpu_blocked", "torch", "onednn", "fused", "step"), 0),
+                            ("cpu_blocked", "torch", "fp32_gemm", "fused", "step"), 0),
+    "cpu with native bf16 GEMM": ("torch.bfloat16", "cpu", {}, CPU_AMX, {},
+                                  ("cpu_blocked", "fused_chunked", "onednn", "fused", "step"), 0),
+    "cpu fp16 without native GEMM": ("torch.float16", "cpu", {}, CPU, {},
+                                     ("cpu_blocked", "fused_chunked", "fp32_gemm", "fused", "step"), 0),
     "cpu asks for sdpa": ("torch.float32", "cpu", {}, CPU, {"attn_backend": "sdpa"},
                           ("sdpa", "fused_chunked", "onednn", "fused", "step"), 0),
     "cpu dp 2 (FSDP)": ("torch.float32", "cpu", dict(dp=2, dp_shard=2, micro_num=2), CPU, {},
