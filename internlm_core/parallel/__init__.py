@@ -3,7 +3,7 @@ activation checkpointing → compile → FSDP on what each rank keeps."""
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 import torch
 import torch.distributed as dist
@@ -16,7 +16,9 @@ from ..numerics import Precision
 from ..utils.logging import get_logger
 from .activation_checkpoint import checkpoint_and_compile
 from .fsdp import apply_fsdp, mixed_precision_policy
-from .pipeline import PipelineParallel, split_model
+
+if TYPE_CHECKING:
+    from .pipeline import PipelineParallel
 
 logger = get_logger(__name__)
 
@@ -41,6 +43,9 @@ def parallelize_model(model: nn.Module, spec: ModelSpec, cfg: Any, dims: Paralle
     device = torch.device(device) if device is not None else next(model.parameters()).device
     chunks, stage_ids = [model], [0]
     if dims.pp > 1:
+        # imported here: torch.distributed.pipelining brings torch.export (~1 s per process) that only
+        # pipeline-parallel runs use
+        from .pipeline import split_model
         model, chunks, stage_ids = split_model(model, plan, dims.pp_rank, dims.pp, cfg.model.num_chunks)
         logger.info(f"pipeline rank {dims.pp_rank}/{dims.pp}: stages {stage_ids} of {dims.pp * cfg.model.num_chunks}, "
                     f"{len(plan.blocks(model))} blocks")
@@ -61,6 +66,7 @@ def parallelize_model(model: nn.Module, spec: ModelSpec, cfg: Any, dims: Paralle
         materialize(model, device, cfg.seed if seed is None else seed)
     pipeline = None
     if dims.pp > 1:
+        from .pipeline import PipelineParallel
         logits_mesh = dims.submesh("tp") if dims.tp > 1 and cfg.model.parallel_output else None
         pipeline = PipelineParallel(chunks, stage_ids, dims.pp * cfg.model.num_chunks, cfg.data.micro_num,
                                     dims.group("pp"), device, logits_mesh=logits_mesh,
@@ -82,6 +88,13 @@ def _simulated_stage_io(spec: ModelSpec, cfg: Any, dims: ParallelDims, precision
     args = spec.build_args(cfg, "sdpa")
     num_stages = dims.pp * cfg.model.num_chunks
     return lambda stage: spec.plan.stage_io(args, stage, num_stages, shapes)
+
+
+def __getattr__(name: str):
+    if name in ("PipelineParallel", "split_model"):  # lazily, see parallelize_model
+        from . import pipeline
+        return getattr(pipeline, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 __all__ = ["PipelineParallel", "apply_fsdp", "mixed_precision_policy", "checkpoint_and_compile", "parallelize_model", "split_model"]

@@ -36,7 +36,8 @@ def test_two_ranks_sigkill_then_auto_resume_is_bitwise(tmp_path):
     assert sorted(ref_loss) == list(range(1, STEPS + 1))
 
     ckpt = tmp_path / "ckpt"
-    p = run_train(train_args(tmp_path / "killed", ckpt), nproc=2, extra_env={FAULT_ENV: "kill_after_commit@10"})
+    p = run_train(train_args(tmp_path / "killed", ckpt), nproc=2, extra_env={FAULT_ENV: "kill_after_commit@10"},
+                  fresh=True)  # torchrun, as users meet it: it reports the killed worker
     assert p.returncode != 0 and "Signal 9 (SIGKILL)" in p.stdout + p.stderr, output(p)
     assert sorted((ckpt / "10").glob("__*_0.distcp")) == [ckpt / "10/__0_0.distcp", ckpt / "10/__1_0.distcp"]
     meta = json.loads((ckpt / "10/meta.json").read_text())  # each data-parallel rank's loader state, recorded

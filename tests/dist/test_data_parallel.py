@@ -21,7 +21,7 @@ COMMON = ["--config", "configs/tiny.py", "--set", f"data.total_steps={STEPS}", "
 def _train(tmp, name, nproc, extra):
     run, prefix = tmp / name, str(tmp / f"{name}.weights")
     args = [prefix, *COMMON[:2], "--run-dir", str(run), *COMMON[2:], *extra]
-    p = run_train(args, nproc=nproc, script="tests/dist/dp_driver.py")
+    p = run_train(args, nproc=nproc, script="tests/dist/dp_driver.py", fresh=True)  # as users start it: torchrun
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     weights = [(torch.load(f"{prefix}.rank{r}.init.pt"), torch.load(f"{prefix}.rank{r}.pt")) for r in range(nproc)]
     return read_metrics(run), weights

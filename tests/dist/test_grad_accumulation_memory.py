@@ -40,7 +40,7 @@ def peak_of(tmp_path, mode: str) -> dict:
     driver.write_text(DRIVER)
     run = tmp_path / mode
     p = run_train([mode, "--config", "configs/tiny.py", "--run-dir", str(run), "--set", *SETS], nproc=2,
-                  script=str(driver), extra_env=MALLOC, timeout=1500)
+                  script=str(driver), extra_env=MALLOC, timeout=1500, fresh=True)
     assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-3000:]
     log = (run / "rank0.log").read_text()
     assert f"gradients reduced every {mode.replace('_', '-')}" in log

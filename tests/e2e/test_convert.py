@@ -7,13 +7,12 @@ logits of the original Hugging Face model.
 
 import json
 import os
-import subprocess
 import sys
 
 import pytest
 import torch
 
-from tests.helpers.launch import ROOT, env
+from tests.helpers.launch import run_script, run_train
 
 pytestmark = pytest.mark.slow
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -90,9 +89,7 @@ def test_sharded_import_then_checkpoint_exports_to_the_same_model(tmp_path, layo
     hf = write_hf_llama(hf_dir)
     driver = tmp_path / "driver.py"
     driver.write_text(DRIVER)
-    p = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-                        str(driver), str(hf_dir), str(ckpt), str(tmp_path / "result.json"), *layout],
-                       cwd=ROOT, env=env(), capture_output=True, text=True, timeout=300)
+    p = run_train([str(hf_dir), str(ckpt), str(tmp_path / "result.json"), *layout], nproc=2, script=str(driver))
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     res = json.loads((tmp_path / "result.json").read_text())
     assert res["world"] == 2 and res["global_rows"] == 64
@@ -107,10 +104,8 @@ def test_sharded_import_then_checkpoint_exports_to_the_same_model(tmp_path, layo
         assert abs(res["loss"] - hf_loss) <= 1e-5, (res["loss"], hf_loss)
     assert len(list((ckpt / "7").glob("*.distcp"))) == 2  # one file per rank
 
-    e = env()
-    e["HF_HUB_OFFLINE"] = "1"
-    p = subprocess.run([sys.executable, "tools/convert2hf.py", str(ckpt), str(out), "--max-shard-size", "100KB"],
-                       cwd=ROOT, env=e, capture_output=True, text=True, timeout=300)
+    p = run_script("tools/convert2hf.py", [str(ckpt), str(out), "--max-shard-size", "100KB"], timeout=300,
+                   extra_env={"HF_HUB_OFFLINE": "1"})
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     assert f"newest complete checkpoint under {ckpt}: step 7" in p.stdout
     assert "key prefix 'model.'" in p.stdout and "byte tokenizer: tokenizer.json" in p.stdout
@@ -135,8 +130,7 @@ def test_train_then_export_equals_the_checkpointed_model(tmp_path):
             f"ckpt.save_ckpt_folder={ckpts}", "tokenizer=byte", "model.vocab_size=320"]
     p = run_train(["--config", "configs/tiny.py", "--run-dir", str(tmp_path / "run"), "--set", *sets])
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
-    p = subprocess.run([sys.executable, "tools/convert2hf.py", str(ckpts / "3"), str(out)],
-                       cwd=ROOT, env=env(), capture_output=True, text=True, timeout=300)
+    p = run_script("tools/convert2hf.py", [str(ckpts / "3"), str(out)], timeout=300)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     assert f"checkpoint of step 3: {ckpts / '3'}" in p.stdout and "INTERNLM -> LlamaForCausalLM" in p.stdout
     conf = json.loads((out / "config.json").read_text())
@@ -157,8 +151,7 @@ def test_train_then_export_equals_the_checkpointed_model(tmp_path):
     assert ours.layers["0"].attention.wo.bias.abs().max() > 0  # trained: the biases moved away from zero
 
     (ckpts / "3" / "COMPLETE").unlink()  # as if killed while writing
-    p = subprocess.run([sys.executable, "tools/convert2hf.py", str(ckpts / "3"), str(tmp_path / "x")],
-                       cwd=ROOT, env=env(), capture_output=True, text=True, timeout=120)
+    p = run_script("tools/convert2hf.py", [str(ckpts / "3"), str(tmp_path / "x")], timeout=120)
     assert p.returncode == 2
     assert p.stderr.strip() == (f"error: checkpoint {ckpts / '3'} has no COMPLETE marker: it was interrupted while "
                                 f"being written (or not written by train.py); convert an older one, or pass "
@@ -166,13 +159,11 @@ def test_train_then_export_equals_the_checkpointed_model(tmp_path):
 
 
 def test_convert_errors_are_one_line(tmp_path):
-    p = subprocess.run([sys.executable, "tools/convert2hf.py", str(tmp_path / "nope"), str(tmp_path / "out")],
-                       cwd=ROOT, env=env(), capture_output=True, text=True, timeout=120)
+    p = run_script("tools/convert2hf.py", [str(tmp_path / "nope"), str(tmp_path / "out")], timeout=120)
     assert p.returncode == 2
     assert p.stderr.strip() == f"error: {tmp_path / 'nope'}: checkpoint folder not found"
     (tmp_path / "empty").mkdir()
-    p = subprocess.run([sys.executable, "tools/convert2hf.py", str(tmp_path / "empty"), str(tmp_path / "out")],
-                       cwd=ROOT, env=env(), capture_output=True, text=True, timeout=120)
+    p = run_script("tools/convert2hf.py", [str(tmp_path / "empty"), str(tmp_path / "out")], timeout=120)
     assert p.returncode == 2
     assert "no complete checkpoint in it" in p.stderr and "Traceback" not in p.stderr
 
@@ -199,8 +190,7 @@ def test_train_py_imports_hf_llama_under_fsdp(tmp_path):
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     first = read_metrics(tmp_path / "run")[0]["loss"]
     assert 4.0 < first < 7.5  # a random 300-token model: about ln(300) = 5.7
-    p = subprocess.run([sys.executable, "tools/convert2hf.py", str(ckpts), str(out), "--tokenizer", "none"],
-                       cwd=ROOT, env=env(), capture_output=True, text=True, timeout=300)
+    p = run_script("tools/convert2hf.py", [str(ckpts), str(out), "--tokenizer", "none"], timeout=300)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     original = read_hf_tensors(hf_dir)
     exported = load_file(str(out / "model.safetensors"))
@@ -234,8 +224,8 @@ def test_export_from_s3(tmp_path, monkeypatch):
                       extra_env=aws)
         assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
         out = tmp_path / "hf"
-        p = subprocess.run([sys.executable, "tools/convert2hf.py", "s3://ckpts/runs/tiny", str(out)],
-                           cwd=ROOT, env={**env(), **aws}, capture_output=True, text=True, timeout=300)
+        p = run_script("tools/convert2hf.py", ["s3://ckpts/runs/tiny", str(out)],
+                           extra_env=aws, timeout=300)
         assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
         assert "checkpoint of step 2: s3://ckpts/runs/tiny/2 (downloaded to " in p.stdout
 

@@ -2,12 +2,11 @@
 
 import json
 import math
-import subprocess
 import sys
 
 import numpy as np
 
-from tests.helpers.launch import ROOT, env
+from tests.helpers.launch import ROOT, run_script
 
 sys.path.insert(0, str(ROOT / "tools"))
 import plot_metrics  # noqa: E402
@@ -54,9 +53,8 @@ def test_two_runs_overlaid_pngs(tmp_path):
     write_run(tmp_path / "exp" / "lr3e-3", 60, 3e-3)
     write_run(tmp_path / "exp" / "lr1e-3", 40, 1e-3)
     out = tmp_path / "plots"
-    p = subprocess.run([sys.executable, "tools/plot_metrics.py", str(tmp_path / "exp" / "lr3e-3"),
-                        str(tmp_path / "exp" / "lr1e-3"), "--out", str(out)],
-                       cwd=ROOT, env=env(), capture_output=True, text=True, timeout=180)
+    p = run_script("tools/plot_metrics.py", [str(tmp_path / "exp" / "lr3e-3"),
+                        str(tmp_path / "exp" / "lr1e-3"), "--out", str(out)], timeout=180)
     assert p.returncode == 0, p.stderr
     names = ["loss.png", "valid.png", "lr.png", "throughput.png", "grad_norm.png", "overview.png"]
     assert p.stdout.split() == [str(out / n) for n in names]
@@ -73,16 +71,14 @@ def test_two_runs_overlaid_pngs(tmp_path):
 
 def test_one_run_goes_to_its_plots_folder(tmp_path):
     write_run(tmp_path / "run", 30, 1e-3)
-    p = subprocess.run([sys.executable, "tools/plot_metrics.py", str(tmp_path / "run")],
-                       cwd=ROOT, env=env(), capture_output=True, text=True, timeout=180)
+    p = run_script("tools/plot_metrics.py", [str(tmp_path / "run")], timeout=180)
     assert p.returncode == 0, p.stderr
     assert p.stdout.splitlines()[0] == str(tmp_path / "run" / "plots" / "loss.png")
     assert len(list((tmp_path / "run" / "plots").glob("*.png"))) == 6
 
 
 def test_missing_metrics_is_one_line_error(tmp_path):
-    p = subprocess.run([sys.executable, "tools/plot_metrics.py", str(tmp_path)],
-                       cwd=ROOT, env=env(), capture_output=True, text=True, timeout=120)
+    p = run_script("tools/plot_metrics.py", [str(tmp_path)], timeout=120)
     assert p.returncode == 2
     assert p.stderr.strip() == (f"error: {tmp_path / 'metrics.jsonl'}: not found "
                                 f"(a run folder written by train.py holds metrics.jsonl)")

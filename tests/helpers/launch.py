@@ -19,17 +19,33 @@ def env() -> dict:
 
 
 def run_train(args: list[str], nproc: int = 1, timeout: float = 300, script: str = "train.py",
-              extra_env: dict | None = None) -> subprocess.CompletedProcess:
-    """`python train.py ARGS` or `torchrun --standalone --nproc_per_node N train.py ARGS`."""
+              extra_env: dict | None = None, fresh: bool = False) -> subprocess.CompletedProcess:
+    """`python train.py ARGS`, or ARGS on `nproc` ranks as torchrun starts them, forked from a warm interpreter
+    (tests/helpers/warm.py: same argv, environment, output and exit status, without the ~6 s of imports).
+    fresh=True starts real processes (`python` / `torchrun --standalone`): memory measurements, and the tests of
+    torchrun itself."""
+    e = env()
+    if extra_env:
+        e.update(extra_env)
+    if not fresh:
+        from tests.helpers import warm
+        return warm.run(str(ROOT / script), args, e, ROOT, timeout, nproc=nproc)
     if nproc == 1:
         cmd = [sys.executable, str(ROOT / script), *args]
     else:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
                str(ROOT / script), *args]
+    return subprocess.run(cmd, cwd=ROOT, env=e, capture_output=True, text=True, timeout=timeout)
+
+
+def run_script(script: str, args: list[str], timeout: float = 300, extra_env: dict | None = None
+               ) -> subprocess.CompletedProcess:
+    """`python SCRIPT ARGS` from the repository root (a tool), forked from the warm interpreter."""
     e = env()
     if extra_env:
         e.update(extra_env)
-    return subprocess.run(cmd, cwd=ROOT, env=e, capture_output=True, text=True, timeout=timeout)
+    from tests.helpers import warm
+    return warm.run(str(ROOT / script), args, e, ROOT, timeout)
 
 
 def read_metrics(run_dir: Path, kind: str = "train") -> list[dict]:

@@ -2,8 +2,6 @@
 
 import contextlib
 import json
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -12,7 +10,7 @@ from internlm_core.config import load_config
 from internlm_core.loss import FlashGPTLMLoss
 from internlm_core.model import build_model
 from internlm_core.estimate import GiB, estimate, format_estimate
-from tests.helpers.launch import ROOT, env, run_train
+from tests.helpers.launch import run_script, run_train
 
 # ---- activations: the estimate's terms against what autograd really keeps ------------------------------------
 
@@ -156,20 +154,18 @@ def test_layout_divides_what_it_shards():
 
 
 def test_estimate_cli(tmp_path):
-    p = subprocess.run([sys.executable, "tools/estimate.py", "--config", "configs/7B.py", "--gpus", "64", "--set",
-                        "parallel.zero1=8", "--mfu", "0.4"], cwd=ROOT, env=env(), capture_output=True, text=True,
-                       timeout=120)
+    p = run_script("tools/estimate.py", ["--config", "configs/7B.py", "--gpus", "64", "--set",
+                        "parallel.zero1=8", "--mfu", "0.4"], timeout=120)
     assert p.returncode == 0, p.stderr
     out = p.stdout
     assert "7,321,948,160 parameters" in out and "44.62 GFLOP model" in out
     assert "data 64 (zero1 shard 8 x replicate 8)" in out and "1,048,576 tokens per step" in out
     assert "time per step at MFU 40% of 989 TFLOP/s" in out and "total (peak)" in out
-    p = subprocess.run([sys.executable, "tools/estimate.py", "--config", "configs/7B.py", "--gpus", "8", "--json"],
-                       cwd=ROOT, env=env(), capture_output=True, text=True, timeout=120)
+    p = run_script("tools/estimate.py", ["--config", "configs/7B.py", "--gpus", "8", "--json"], timeout=120)
     data = json.loads(p.stdout)
     assert data["parameters"] == 7_321_948_160 and data["memory_gib"]["total"] > data["memory_gib"]["parameters"]
-    p = subprocess.run([sys.executable, "tools/estimate.py", "--config", "configs/7B.py", "--gpus", "12", "--set",
-                        "parallel.zero1=8"], cwd=ROOT, env=env(), capture_output=True, text=True, timeout=120)
+    p = run_script("tools/estimate.py", ["--config", "configs/7B.py", "--gpus", "12", "--set",
+                        "parallel.zero1=8"], timeout=120)
     assert p.returncode == 2
     assert p.stderr.strip() == ("error: configs/7B.py: parallel.zero1 (8) must divide the data-parallel size "
                                 "(12 = world size 12 / (tensor 1 * pipeline 1))")
@@ -213,7 +209,7 @@ BASE = ["data.total_steps=4", "data.valid_every=0", "monitor.memory_report=True"
 def test_estimate_within_25_percent_of_measured_cpu_peak(tmp_path, extra):
     sets = BASE + extra
     p = run_train(["--config", "configs/tiny.py", "--run-dir", str(tmp_path), "--set", *sets], extra_env=MALLOC,
-                  timeout=300)
+                  timeout=300, fresh=True)
     assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
     peak = json.loads((tmp_path / "memory_report.json").read_text())["peak"]
     measured = peak["peak_bytes"] - peak["overhead"]  # what the run added to the process at its peak
