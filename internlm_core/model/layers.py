@@ -96,10 +96,13 @@ class HalfLinearFp32Gemm(torch.autograd.Function):
         x, weight = ctx.saved_tensors
         g = grad_out.float()
         grad_x = grad_w = None
-        if ctx.needs_input_grad[0]:
-            grad_x = (g @ weight.float()).to(x.dtype)
-        if ctx.needs_input_grad[1]:
-            grad_w = (g.reshape(-1, g.shape[-1]).t() @ x.float().reshape(-1, x.shape[-1])).to(weight.dtype)
+        # a backward called inside autocast (on the CPU the engine keeps the caller's autocast state) would
+        # cast these fp32 operands back to 16 bits
+        with torch.autocast("cpu", enabled=False):
+            if ctx.needs_input_grad[0]:
+                grad_x = (g @ weight.float()).to(x.dtype)
+            if ctx.needs_input_grad[1]:
+                grad_w = (g.reshape(-1, g.shape[-1]).t() @ x.float().reshape(-1, x.shape[-1])).to(weight.dtype)
         return grad_x, grad_w
 
 

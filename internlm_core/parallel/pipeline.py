@@ -65,6 +65,15 @@ class _Stage(PipelineStage):
     reduce_each = False
 
     def backward_maybe_with_nosync(self, backward_type, bwd_kwargs: dict, last_backward: bool = False):
+        # The schedule runs forward and backward inside the trainer's autocast context. Backward must run
+        # outside it, as `loss.backward()` does without a pipeline: on the CPU autocast is thread-local state
+        # that the autograd engine keeps, so a custom Function's backward (the fp32-GEMM linear, the fused
+        # loss) would have its fp32 matmuls cast back to 16 bits (measured: a 70B tp8 stage's backward
+        # ~100x slower on a CPU without native bf16 GEMM).
+        with torch.autocast(self.device.type, enabled=False):
+            return self._backward(backward_type, bwd_kwargs, last_backward)
+
+    def _backward(self, backward_type, bwd_kwargs: dict, last_backward: bool):
         if not (self.reduce_each and backward_type == "full" and isinstance(self.submod, FSDPModule)):
             return super().backward_maybe_with_nosync(backward_type, bwd_kwargs, last_backward)
         self.submod.set_is_last_backward(False)  # the schedule's final reduction step ends the backward

@@ -176,7 +176,9 @@ def build_trainer(cfg: Config, launch: LaunchInfo, run_dir: Path, seed: Optional
     train_loader, valid_loaders = build_data(cfg, dims)
 
     state = TrainState(tensorboard_folder=str(run_dir / "tensorboard"))
-    peak = device_peak_flops(launch.device, precision.compute_dtype, tf32=precision.tf32)
+    # MFU's denominator is the peak of the GEMM the linear layers run: fp32's where 16-bit layers multiply in fp32
+    peak = device_peak_flops(launch.device, torch.float32 if kernels.linear == "fp32_gemm" else precision.compute_dtype,
+                             tf32=precision.tf32)
     throughput = Throughput(model_flops_per_token(cfg, args), launch.world_size, peak)
     timers = Timers(device=launch.device)  # CUDA: device time between events, not host enqueue time
     type_names = getattr(train_loader, "type_names", None) or {}

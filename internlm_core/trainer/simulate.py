@@ -3,7 +3,8 @@
 The fake process group (distributed/simulate.py) makes every collective return at once, so the rank builds,
 shards and trains exactly its own part of the job: real per-rank shapes, memory and compute. The run folder
 gets the usual metrics and memory report; the summary compares the peak with the estimator's prediction for
-the same layout on CPU (`tools/estimate.py --device cpu`).
+the same layout on CPU (`tools/estimate.py --device cpu`). Validation is skipped, and glibc returns freed memory
+at once, so that the peak resident memory follows the live tensors as a GPU allocator's peak does.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from pathlib import Path
 from typing import Optional
 
 import psutil
+from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
 from ..config import Config
@@ -21,6 +23,7 @@ from ..distributed import init_simulated
 from ..errors import LaunchError
 from ..estimate import GiB, estimate
 from ..utils.logging import get_logger
+from ..utils.memory import track_live_cpu_memory
 from .build import build_trainer
 
 logger = get_logger(__name__)
@@ -44,10 +47,16 @@ def simulate(cfg: Config, world_size: int, rank: int, run_dir: Path, seed: Optio
     cfg.ckpt.auto_resume = False
     cfg.ckpt.load_ckpt_info = None
     cfg.monitor.memory_report = True
+    if track_live_cpu_memory():  # before the build: the peak RSS then follows live tensors, as on a GPU
+        logger.info("CPU allocator: freed memory goes back to the OS at once (the peak follows live tensors)")
     launch = init_simulated(world_size, rank)
     trainer = build_trainer(cfg, launch, run_dir, seed=seed)
-    trainer.loop = dataclasses.replace(trainer.loop, simulated=True)
+    # no validation: a forward-only pass needs less memory than a training step, and on a CPU it costs minutes
+    trainer.loop = dataclasses.replace(trainer.loop, simulated=True, valid_every=0, validate_at_end=False)
     trainer.train()
+    for module in trainer.model.modules():  # a pipeline stage may still hold its gathered weights: count shards
+        if isinstance(module, FSDPModule):
+            module.reshard()
     held = sum((p.to_local() if isinstance(p, DTensor) else p).numel() for p in trainer.model.parameters())
     memory = next(cb for cb in trainer.callbacks.callbacks if type(cb).__name__ == "MemoryProfiler")
     peak = int(memory.peak_record["peak_bytes"]) if memory.peak_record else 0

@@ -289,7 +289,8 @@ class Trainer:
     def train(self) -> TrainState:
         """Train until `data.total_steps` batches are done or a stop is requested."""
         loop, st = self.loop, self.state
-        if self.device.type == "cpu" and keep_freed_cpu_memory():
+        # a simulated rank measures memory: its allocator was set to follow the live tensors (trainer/simulate.py)
+        if self.device.type == "cpu" and not loop.simulated and keep_freed_cpu_memory():
             logger.info("CPU allocator: freed tensor memory is kept for reuse (glibc mmap and trim off)")
         self.callbacks.fire("on_train_start", self)
         train_iter = iter(self.train_loader)

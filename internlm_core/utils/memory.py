@@ -101,6 +101,22 @@ def process_peak_rss() -> int:
     return int(maxrss if sys.platform == "darwin" else maxrss * 1024)  # macOS reports bytes, Linux KiB
 
 
+def track_live_cpu_memory() -> bool:
+    """Make glibc return freed tensor memory to the OS at once, so that the resident set follows the live tensors
+    (as `torch.cuda.max_memory_allocated` does on GPUs): every block above 64 KiB mapped on its own and unmapped
+    when freed, the heap's free top trimmed. For measuring memory (a simulated rank, the estimator's checks);
+    training keeps `keep_freed_cpu_memory`, which is faster. Same conditions as that one; returns whether
+    it was applied."""
+    if "GLIBC_TUNABLES" in os.environ or any(k.startswith("MALLOC_") for k in os.environ):
+        return False
+    try:
+        mallopt = ctypes.CDLL("libc.so.6").mallopt
+    except (OSError, AttributeError):
+        return False
+    m_trim_threshold, m_mmap_threshold = -1, -3
+    return bool(mallopt(m_mmap_threshold, 65536)) and bool(mallopt(m_trim_threshold, 0))
+
+
 def reset_peak_rss() -> bool:
     """Reset the kernel's peak-RSS mark (Linux); False where that is not possible."""
     try:

@@ -141,3 +141,28 @@ def test_half_linear_with_fp32_gemm(dtype, autocast):
         err = (got - ref).abs() / (scale + ref.abs() + 1e-30)
         assert err.max().item() <= 4 * ulp, err.max().item()
     assert w.grad.dtype == w.dtype and x.grad.dtype == dtype
+
+
+def test_half_linear_backward_multiplies_in_fp32_inside_autocast():
+    """A backward started inside autocast (torch's pipeline schedule runs forward and backward in one autocast
+    context; on the CPU the autograd engine keeps the caller's autocast state) still runs fp32 GEMMs: autocast
+    would cast them back to bf16, the emulated ~100x slower kernel on CPUs without native bf16."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class GemmDtypes(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.seen = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func.overloadpacket in (torch.ops.aten.mm, torch.ops.aten.addmm, torch.ops.aten.bmm):
+                self.seen.append(tuple(a.dtype for a in args if isinstance(a, torch.Tensor)))
+            return func(*args, **(kwargs or {}))
+
+    x = torch.randn(2, 8, 16, dtype=torch.bfloat16, requires_grad=True)
+    w = torch.randn(12, 16, dtype=torch.bfloat16, requires_grad=True)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y = HalfLinearFp32Gemm.apply(x, w)
+        with GemmDtypes() as mode:
+            y.sum().backward()
+    assert len(mode.seen) == 2 and all(d == torch.float32 for dtypes in mode.seen for d in dtypes), mode.seen
