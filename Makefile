@@ -7,10 +7,15 @@ STAMP := $(VENV)/.installed
 
 .PHONY: venv demo lint test test-fast bench clean
 
+# uv installs the same pinned requirements as pip in seconds instead of ~1.5 minutes (it links from its cache);
+# it reads pip's find-links (where a machine keeps wheels such as torch's CPU build) only when told. pip is the
+# fallback when uv cannot be had.
+UV_FIND_LINKS := $(if $(PIP_FIND_LINKS),--find-links $(PIP_FIND_LINKS))
+
 $(STAMP): requirements.txt requirements-dev.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -r requirements-dev.txt
+	( $(PY) -m pip install -q 'uv>=0.5' && $(VENV)/bin/uv pip install -q --compile-bytecode --python $(PY) \
+		$(UV_FIND_LINKS) -r requirements-dev.txt ) || $(PY) -m pip install -q -r requirements-dev.txt
 	touch $(STAMP)
 
 venv: $(STAMP)

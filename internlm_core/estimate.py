@@ -57,6 +57,7 @@ from typing import Optional
 
 from .config import Config
 from .model import ModelArgs, analytic_parameter_count, flops_per_token
+from .model.layers import cpu_half_gemm_upcast
 from .numerics.kernels import select_attention, select_cross_entropy, select_grad_reduce
 from .numerics.precision import resolve_precision
 from .utils.accelerators import WORKING
@@ -107,14 +108,15 @@ class Memory:
     accumulated_gradients: float = 0.0  # unsharded fp32 gradients kept between micro-batches (beyond the shard)
     activations: float = 0.0     # tensors saved for backward (all layers, in-flight micro-batches)
     loss_peak: float = 0.0       # transient buffers of the loss backward (logits gradient)
+    gemm_copies: float = 0.0     # CPU without native 16-bit GEMM: fp32 operands of the largest linear's backward
     stage: str = ""
 
     ORDER = ("parameters", "gradients", "optimizer", "weight_copies", "fsdp_gathered", "accumulated_gradients",
-             "activations", "loss_peak")
+             "activations", "loss_peak", "gemm_copies")
     LABELS = {"parameters": "parameters", "gradients": "gradients", "optimizer": "optimizer state",
               "weight_copies": "16-bit weight copies", "fsdp_gathered": "FSDP gathered",
               "accumulated_gradients": "accumulated gradients", "activations": "activations",
-              "loss_peak": "loss backward peak"}
+              "loss_peak": "loss backward peak", "gemm_copies": "fp32 GEMM copies (CPU)"}
 
     @property
     def states(self) -> float:
@@ -242,6 +244,13 @@ def estimate(cfg: Config, world_size: int = 1, precision: str = "internlm_core",
         comp * V if fused and comp == 4 and d.micro_num > 1 else 0
     loss_peak = tokens_mb * ce_peak / lay.tp
     keeps_unsharded = precision == "internlm_core" and grad_reduce == "step" and lay.dp_shard > 1 and d.micro_num > 1
+    # a CPU without native 16-bit GEMM (this machine's, for device "cpu") multiplies 16-bit linear layers in fp32
+    # (model/layers.py HalfLinearFp32Gemm): the backward of the largest linear holds fp32 copies of its weight, its
+    # output gradient, its input and the weight gradient (4 * (2 o i + t (o + i)) bytes)
+    upcast = device == "cpu" and comp == 2 and cpu_half_gemm_upcast(numerics.compute_dtype)
+
+    def gemm_copies(out_dim: float, in_dim: float) -> float:
+        return 4 * (2 * out_dim * in_dim + tokens_mb * (out_dim + in_dim)) if upcast else 0.0
 
     def stage_memory(params_here: float, act: float, with_head: bool, name: str) -> Memory:
         mem = Memory(stage=name)
@@ -272,6 +281,10 @@ def estimate(cfg: Config, world_size: int = 1, precision: str = "internlm_core",
             mem.optimizer = 12 * per_tp / lay.dp_shard
         mem.activations = act
         mem.loss_peak = loss_peak if with_head else 0.0
+        # the output layer's backward follows the loss backward, whose transients are gone by then: only the
+        # excess over them adds to the peak
+        ffn = gemm_copies(args.ffn_width / lay.tp, h)
+        mem.gemm_copies = max(ffn, gemm_copies(V / lay.tp, h) - mem.loss_peak) if with_head else ffn
         return mem
 
     stage_layer_params = L_stage * layer_params

@@ -118,7 +118,19 @@ def cpu_peak_flops(dtype: torch.dtype, cache_file: Optional[Path] = None) -> flo
 
 def device_peak_flops(device: torch.device, dtype: torch.dtype, tf32: bool = False) -> Optional[float]:
     """Peak FLOP/s of `device` for `dtype` compute (`tf32`: fp32 matmuls on TF32 tensor cores; numerics'
-    Precision says which); logs where the number comes from."""
+    Precision says which); logs where the number comes from. INTERNLM_CORE_PEAK_TFLOPS (TFLOP/s of one
+    device) overrides the table and the CPU measurement: a GPU the table lacks, a fixed CPU denominator for
+    comparing runs, or no start-up measurement (~1 s of CPU per process)."""
+    override = os.environ.get("INTERNLM_CORE_PEAK_TFLOPS")
+    if override:
+        try:
+            peak = float(override) * 1e12
+        except ValueError:
+            peak = 0.0
+        if peak > 0:
+            logger.info(f"peak for MFU: {peak / 1e12:g} TFLOP/s per device (INTERNLM_CORE_PEAK_TFLOPS)")
+            return peak
+        logger.warning(f"INTERNLM_CORE_PEAK_TFLOPS={override!r} is not a positive number: ignored")
     if device.type == "cuda":
         name = torch.cuda.get_device_name(device)
         peak = gpu_peak_flops(name, dtype, tf32)

@@ -15,7 +15,8 @@ from tests.helpers.launch import read_metrics, run_train
 
 pytestmark = pytest.mark.slow
 
-STEPS = 20
+STEPS = 8
+KILL = 4  # the step whose checkpoint commits just before the SIGKILL
 
 
 def output(p) -> str:
@@ -25,7 +26,7 @@ def output(p) -> str:
 def train_args(run: Path, ckpt: Path, *extra: str) -> list[str]:
     return ["--config", "configs/tiny.py", "--run-dir", str(run), "--set", f"data.total_steps={STEPS}",
             "data.valid_every=0", "monitor.tensorboard=False", "monitor.log_every=5", "ckpt.enable_save_ckpt=True",
-            f"ckpt.save_ckpt_folder={ckpt}", "ckpt.checkpoint_every=5", *extra]
+            f"ckpt.save_ckpt_folder={ckpt}", "ckpt.checkpoint_every=2", *extra]
 
 
 def test_two_ranks_sigkill_then_auto_resume_is_bitwise(tmp_path):
@@ -36,21 +37,22 @@ def test_two_ranks_sigkill_then_auto_resume_is_bitwise(tmp_path):
     assert sorted(ref_loss) == list(range(1, STEPS + 1))
 
     ckpt = tmp_path / "ckpt"
-    p = run_train(train_args(tmp_path / "killed", ckpt), nproc=2, extra_env={FAULT_ENV: "kill_after_commit@10"},
+    p = run_train(train_args(tmp_path / "killed", ckpt), nproc=2, extra_env={FAULT_ENV: f"kill_after_commit@{KILL}"},
                   fresh=True)  # torchrun, as users meet it: it reports the killed worker
     assert p.returncode != 0 and "Signal 9 (SIGKILL)" in p.stdout + p.stderr, output(p)
-    assert sorted((ckpt / "10").glob("__*_0.distcp")) == [ckpt / "10/__0_0.distcp", ckpt / "10/__1_0.distcp"]
-    meta = json.loads((ckpt / "10/meta.json").read_text())  # each data-parallel rank's loader state, recorded
+    saved = ckpt / str(KILL)
+    assert sorted(saved.glob("__*_0.distcp")) == [saved / "__0_0.distcp", saved / "__1_0.distcp"]
+    meta = json.loads((saved / "meta.json").read_text())  # each data-parallel rank's loader state, recorded
     assert meta["layout"]["dp"] == 2 and meta["data_state"]["data"]["dp_ranks_agree"] is True
     assert {k: v["rows_consumed"] for k, v in meta["data_state"]["data"]["per_dp_rank"].items()} == \
-        {"dp0": 10 * 2 * 2, "dp1": 10 * 2 * 2}
+        {"dp0": KILL * 2 * 2, "dp1": KILL * 2 * 2}
 
     q = run_train(train_args(tmp_path / "resumed", ckpt), nproc=2)
     assert q.returncode == 0, output(q)
-    assert f"loaded {ckpt / '10'} (step 10, regular" in q.stdout and "same layout: exact resume" in q.stdout
+    assert f"loaded {ckpt / str(KILL)} (step {KILL}, regular" in q.stdout and "same layout: exact resume" in q.stdout
     resumed = read_metrics(tmp_path / "resumed")
-    assert [r["step"] for r in resumed] == list(range(11, STEPS + 1))
-    assert [r["loss"] for r in resumed] == [ref_loss[s] for s in range(11, STEPS + 1)]
+    assert [r["step"] for r in resumed] == list(range(KILL + 1, STEPS + 1))
+    assert [r["loss"] for r in resumed] == [ref_loss[s] for s in range(KILL + 1, STEPS + 1)]
     assert resumed[-1]["num_consumed_tokens"] == STEPS * 2 * 2 * 512
 
 

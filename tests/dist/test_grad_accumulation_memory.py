@@ -12,35 +12,24 @@ import pytest
 
 from internlm_core.config import load_config
 from internlm_core.estimate import estimate
-from tests.helpers.launch import ROOT, run_train
+from tests.helpers.launch import run_train
 
 pytestmark = pytest.mark.slow
 
-DRIVER = f"""
-import sys
-sys.path.insert(0, {str(ROOT)!r})
-import internlm_core.numerics.kernels as kernels
-mode = sys.argv.pop(1)
-kernels.select_grad_reduce = lambda *args, **kwargs: mode  # the layout's choice, forced for the measurement
-import train
-sys.exit(train.main(sys.argv[1:]))
-"""
 
 # ~25M parameters, nearly all in the 8 blocks (FSDP's units, as in a 7B model; the root's embedding and output
 # are reduced at the end of backward in either mode): 4 * 25M / 2 = 51 MB beyond each rank's shard
 SETS = ["data.total_steps=2", "data.valid_every=0", "monitor.memory_report=True", "monitor.tensorboard=False",
         "model.hidden_size=512", "model.num_layers=8", "model.vocab_size=512", "data.seq_len=64",
         "data.micro_bsz=1", "data.micro_num=4", "parallel.zero1=-1", "model.dtype=torch.float32"]
-# glibc returns large freed blocks at once, so the peak RSS tracks live tensors (as in tests/unit/test_estimate.py)
-MALLOC = {"MALLOC_MMAP_THRESHOLD_": "65536", "MALLOC_TRIM_THRESHOLD_": "0", "OMP_NUM_THREADS": "1"}
+# the peak RSS tracks live tensors: tests/helpers/train_live_memory.py sets glibc so
+DRIVER = "tests/helpers/train_live_memory.py"
 
 
 def peak_of(tmp_path, mode: str) -> dict:
-    driver = tmp_path / "driver.py"
-    driver.write_text(DRIVER)
     run = tmp_path / mode
-    p = run_train([mode, "--config", "configs/tiny.py", "--run-dir", str(run), "--set", *SETS], nproc=2,
-                  script=str(driver), extra_env=MALLOC, timeout=1500, fresh=True)
+    p = run_train(["--grad-reduce", mode, "--config", "configs/tiny.py", "--run-dir", str(run), "--set", *SETS],
+                  nproc=2, script=DRIVER, timeout=900)
     assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-3000:]
     log = (run / "rank0.log").read_text()
     assert f"gradients reduced every {mode.replace('_', '-')}" in log

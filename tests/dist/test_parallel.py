@@ -19,6 +19,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.helpers.warm import context
+
 pytestmark = pytest.mark.slow
 
 STEPS = 5
@@ -264,9 +266,10 @@ def run_all(root: Path) -> None:
         world = job(names_[0])[0]
         if world == 1:
             worker(0, 1, 0, names_, str(root))
-        else:
+        else:  # forks of a warm interpreter (tests/helpers/warm.py): torch and internlm_core already imported
+            context()
             mp.start_processes(worker, args=(world, free_port(), names_, str(root)), nprocs=world,
-                               start_method="spawn", join=True)
+                               start_method="forkserver", join=True)
 
 
 @pytest.fixture(scope="module")

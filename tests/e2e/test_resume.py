@@ -16,11 +16,12 @@ from tests.helpers.launch import read_metrics, run_train
 pytestmark = pytest.mark.slow
 
 STEPS = 20
+SEQ = 64  # short rows: resuming does not depend on the shape
 
 
 def train_args(run: Path, ckpt: Path, *extra: str) -> list[str]:
     return ["--config", "configs/tiny.py", "--run-dir", str(run), "--set", f"data.total_steps={STEPS}",
-            "data.valid_every=0", "monitor.tensorboard=False", "monitor.log_every=5", "ckpt.enable_save_ckpt=True",
+            f"data.seq_len={SEQ}", "data.valid_every=0", "monitor.tensorboard=False", "monitor.log_every=5", "ckpt.enable_save_ckpt=True",
             f"ckpt.save_ckpt_folder={ckpt}", "ckpt.checkpoint_every=5", *extra]
 
 
@@ -59,7 +60,7 @@ def test_sigkill_after_checkpoint_then_auto_resume_is_bitwise(tmp_path, referenc
     assert f"loaded {tmp_path / 'ckpt/10'} (step 10, regular" in q.stdout
     assert [r["step"] for r in resumed] == list(range(11, STEPS + 1))
     assert [r["loss"] for r in resumed] == [ref[s] for s in range(11, STEPS + 1)]  # bitwise: float equality
-    assert resumed[-1]["num_consumed_tokens"] == STEPS * 2 * 512
+    assert resumed[-1]["num_consumed_tokens"] == STEPS * (2 * 2) * SEQ  # micro_num x micro_bsz rows
 
 
 @pytest.mark.parametrize("fault", ["kill_before_metadata@10", "kill_before_marker@10"])
@@ -89,7 +90,7 @@ def test_model_only_load_starts_fresh_optimizer_and_schedule(tmp_path, reference
     assert f"loaded {ref_ckpt / str(STEPS)} (step {STEPS}, regular; content model)" in p.stdout
     recs = read_metrics(tmp_path / "run")
     assert [r["step"] for r in recs] == [1, 2, 3, 4, 5]  # a fresh train state and data position
-    assert recs[0]["num_consumed_tokens"] == 2 * 512
+    assert recs[0]["num_consumed_tokens"] == (2 * 2) * SEQ
     ref_lr = [json.loads(line)["lr"] for line in (ref_ckpt.parent / "run/metrics.jsonl").read_text().splitlines()]
     assert [r["lr"] for r in recs] == ref_lr[:5]  # the warm-up starts again
     assert recs[0]["loss"] < ref[1] - 1.0  # but the weights are the trained ones

@@ -38,7 +38,7 @@ def s3_env():
 
 def train_args(run, folder, stage, *extra):
     return ["--config", "configs/tiny.py", "--run-dir", str(run), "--set", f"data.total_steps={STEPS}",
-            "data.valid_every=0", "monitor.tensorboard=False", "monitor.log_every=5", "ckpt.enable_save_ckpt=True",
+            "data.seq_len=64", "data.valid_every=0", "monitor.tensorboard=False", "monitor.log_every=5", "ckpt.enable_save_ckpt=True",
             f"ckpt.save_ckpt_folder={folder}", f"ckpt.async_upload_tmp_folder={stage}", "ckpt.checkpoint_every=10",
             *extra]
 

@@ -15,6 +15,8 @@ def env() -> dict:
     e = dict(os.environ)
     e["PYTHONPATH"] = str(ROOT) + os.pathsep + e.get("PYTHONPATH", "")
     e.setdefault("OMP_NUM_THREADS", "1")
+    # a fixed MFU denominator instead of ~1 s of matmuls at the start of every run (utils/peak.py)
+    e.setdefault("INTERNLM_CORE_PEAK_TFLOPS", "0.05")
     return e
 
 
@@ -40,12 +42,13 @@ def run_train(args: list[str], nproc: int = 1, timeout: float = 300, script: str
 
 def run_script(script: str, args: list[str], timeout: float = 300, extra_env: dict | None = None
                ) -> subprocess.CompletedProcess:
-    """`python SCRIPT ARGS` from the repository root (a tool), forked from the warm interpreter."""
+    """`python SCRIPT ARGS` from the repository root (a tool; "-m MODULE" for `python -m MODULE ARGS`), forked
+    from the warm interpreter."""
     e = env()
     if extra_env:
         e.update(extra_env)
     from tests.helpers import warm
-    return warm.run(str(ROOT / script), args, e, ROOT, timeout)
+    return warm.run(script if script.startswith("-m ") else str(ROOT / script), args, e, ROOT, timeout)
 
 
 def read_metrics(run_dir: Path, kind: str = "train") -> list[dict]:

@@ -30,11 +30,15 @@ import time
 import traceback
 from pathlib import Path
 
-PRELOAD = ["torch", "internlm_core.trainer.build", "internlm_core.trainer.simulate", "internlm_core.estimate"]
+# torch._dynamo: every model is built on the meta device, where nn.Embedding's init imports it (~1 s)
+PRELOAD = ["torch", "torch._dynamo", "internlm_core.trainer.build", "internlm_core.trainer.simulate",
+           "internlm_core.estimate"]
 _ctx = None
 
 
-def _context():
+def context():
+    """multiprocessing's forkserver context, its server warm (PRELOAD imported): Process(target=f) starts a fork
+    of it; torch.multiprocessing.start_processes(..., start_method="forkserver") uses the same server."""
     global _ctx
     if _ctx is None:
         _ctx = multiprocessing.get_context("forkserver")
@@ -51,14 +55,19 @@ def _child(script: str, argv: list[str], env: dict, cwd: str, out: str, err: str
         os.dup2(f, fd)
         os.close(f)
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
-    sys.argv = [script, *argv]
-    sys.path[0:0] = [str(Path(script).resolve().parent)]  # as `python SCRIPT` puts the script's folder first
+    module = script[3:] if script.startswith("-m ") else None  # `python -m MODULE ARGS`
+    sys.argv = [script if module is None else module, *argv]
+    # as `python SCRIPT` puts the script's folder first, and `python -m` the working folder
+    sys.path[0:0] = [cwd if module else str(Path(script).resolve().parent)]
     if env.get("OMP_NUM_THREADS"):
         import torch
         torch.set_num_threads(int(env["OMP_NUM_THREADS"]))
     code = 0
     try:
-        runpy.run_path(script, run_name="__main__")
+        if module:
+            runpy.run_module(module, run_name="__main__", alter_sys=True)
+        else:
+            runpy.run_path(script, run_name="__main__")
     except SystemExit as e:
         if e.code is None or isinstance(e.code, int):
             code = e.code or 0
@@ -88,8 +97,9 @@ def _free_port() -> int:
 
 def run(script: str, args: list[str], env: dict, cwd: Path, timeout: float, nproc: int = 1
         ) -> subprocess.CompletedProcess:
-    """`python SCRIPT ARGS` (nproc 1) or its torchrun equivalent on `nproc` local ranks, forked warm."""
-    ctx = _context()
+    """`python SCRIPT ARGS` (nproc 1) or its torchrun equivalent on `nproc` local ranks, forked warm;
+    script "-m MODULE" runs `python -m MODULE ARGS`."""
+    ctx = context()
     port = _free_port()
     with tempfile.TemporaryDirectory() as tmp:
         procs = []

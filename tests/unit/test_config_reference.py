@@ -1,15 +1,13 @@
 """The README's config reference is generated from the schema and up to date."""
 
 import dataclasses
-import subprocess
-import sys
 import typing
 
 import pytest
 
 from internlm_core.config import schema
 from internlm_core.config.reference import BEGIN, END, render, replace_between_markers, sections
-from tests.helpers.launch import ROOT, env
+from tests.helpers.launch import ROOT, run_script
 
 
 def all_keys(cls=schema.Config, prefix=""):
@@ -55,15 +53,15 @@ def test_readme_reference_is_up_to_date():
 def test_check_and_update_cli(tmp_path):
     stale = tmp_path / "README.md"
     stale.write_text(f"# title\n\n{BEGIN}\nold text\n{END}\n\nafter\n")
-    cmd = [sys.executable, "-m", "internlm_core.config.reference"]
-    p = subprocess.run(cmd + ["--check", str(stale)], cwd=ROOT, env=env(), capture_output=True, text=True)
+    cli = "-m internlm_core.config.reference"
+    p = run_script(cli, ["--check", str(stale)])
     assert p.returncode == 1 and "out of date" in p.stderr
-    p = subprocess.run(cmd + ["--update", str(stale)], cwd=ROOT, env=env(), capture_output=True, text=True)
+    p = run_script(cli, ["--update", str(stale)])
     assert p.returncode == 0
     text = stale.read_text()
     assert text.startswith("# title\n\n") and text.endswith(f"{END}\n\nafter\n") and "old text" not in text
     assert "| `data.seq_len` | int | `2048` |" in text
-    p = subprocess.run(cmd + ["--check", str(stale)], cwd=ROOT, env=env(), capture_output=True, text=True)
+    p = run_script(cli, ["--check", str(stale)])
     assert p.returncode == 0
 
 

@@ -193,10 +193,9 @@ def test_format_mentions_every_nonzero_term():
 
 # ---- peak memory of real runs of train.py on CPU -------------------------------------------------------------
 
-# glibc keeps freed heap memory (RSS then overstates live tensors); a fixed mmap threshold returns large blocks to
-# the OS at once, so the peak RSS tracks live tensors, as torch.cuda.max_memory_allocated does on GPUs
-MALLOC = {"MALLOC_MMAP_THRESHOLD_": "65536", "MALLOC_TRIM_THRESHOLD_": "0", "OMP_NUM_THREADS": "2"}
-BASE = ["data.total_steps=4", "data.valid_every=0", "monitor.memory_report=True", "monitor.tensorboard=False",
+# train.py with glibc set to return freed blocks at once (tests/helpers/train_live_memory.py): the peak RSS tracks
+# live tensors, as torch.cuda.max_memory_allocated does on GPUs
+BASE = ["data.total_steps=2", "data.valid_every=0", "monitor.memory_report=True", "monitor.tensorboard=False",
         "model.hidden_size=256", "model.num_layers=4", "model.vocab_size=8192", "data.micro_num=2"]
 
 
@@ -208,8 +207,8 @@ BASE = ["data.total_steps=4", "data.valid_every=0", "monitor.memory_report=True"
 ], ids=["fp32", "bf16-gqa-ckpt"])
 def test_estimate_within_25_percent_of_measured_cpu_peak(tmp_path, extra):
     sets = BASE + extra
-    p = run_train(["--config", "configs/tiny.py", "--run-dir", str(tmp_path), "--set", *sets], extra_env=MALLOC,
-                  timeout=300, fresh=True)
+    p = run_train(["--config", "configs/tiny.py", "--run-dir", str(tmp_path), "--set", *sets],
+                  script="tests/helpers/train_live_memory.py", extra_env={"OMP_NUM_THREADS": "2"}, timeout=300)
     assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
     peak = json.loads((tmp_path / "memory_report.json").read_text())["peak"]
     measured = peak["peak_bytes"] - peak["overhead"]  # what the run added to the process at its peak

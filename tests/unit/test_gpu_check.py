@@ -2,9 +2,8 @@
 
 import json
 import subprocess
-import sys
 
-from tests.helpers.launch import ROOT, env
+from tests.helpers.launch import ROOT, run_script
 
 
 def test_one_table_from_the_kernel_rows_and_the_training_runs(tmp_path):
@@ -17,8 +16,7 @@ def test_one_table_from_the_kernel_rows_and_the_training_runs(tmp_path):
         {"kind": "train", "step": s, "loss": 10.0 - s / 10, "tgs": 1000.0 * s if s < 6 else 30000.0 + s,
          "mfu": 0.41 + s / 1000}) for s in range(1, 31)) + "\n")
     (run / "memory_report.json").write_text(json.dumps({"peak": {"peak_bytes": 40 * 2**30}}))
-    p = subprocess.run([sys.executable, "bench/gpu_paths.py", "--table", str(tmp_path)], cwd=ROOT, env=env(),
-                       capture_output=True, text=True, timeout=120)
+    p = run_script("bench/gpu_paths.py", ["--table", str(tmp_path)], timeout=120)
     assert p.returncode == 0, p.stderr
     lines = p.stdout.strip().splitlines()
     assert lines[0] == "| check | ok | result | detail |"
@@ -28,8 +26,7 @@ def test_one_table_from_the_kernel_rows_and_the_training_runs(tmp_path):
             "peak 40.0 GiB |") in lines
     assert "| train FSDP, 2 GPUs | -- | not run |  |" in lines
     (tmp_path / "paths.json").write_text(json.dumps([{"check": "x", "ok": False, "result": "boom", "detail": ""}]))
-    p = subprocess.run([sys.executable, "bench/gpu_paths.py", "--table", str(tmp_path)], cwd=ROOT, env=env(),
-                       capture_output=True, text=True, timeout=120)
+    p = run_script("bench/gpu_paths.py", ["--table", str(tmp_path)], timeout=120)
     assert p.returncode == 1 and "| x | FAIL | boom |  |" in p.stdout
 
 

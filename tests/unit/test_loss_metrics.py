@@ -85,6 +85,16 @@ def test_flops_per_token_matches_peer_benchmark_formula():
     assert flops_per_token(model_args_from_config(cfg), 512) == 37_860_864  # ../shared/bench/peers/README.md
 
 
+def test_peak_override_from_the_environment(monkeypatch, caplog):
+    from internlm_core.utils.peak import device_peak_flops
+    monkeypatch.setenv("INTERNLM_CORE_PEAK_TFLOPS", "2.5")
+    assert device_peak_flops(torch.device("cpu"), torch.bfloat16) == 2.5e12
+    assert device_peak_flops(torch.device("meta"), torch.float32) == 2.5e12  # any device: the user's number
+    monkeypatch.setenv("INTERNLM_CORE_PEAK_TFLOPS", "fast")
+    assert device_peak_flops(torch.device("meta"), torch.float32) is None
+    assert "INTERNLM_CORE_PEAK_TFLOPS='fast' is not a positive number: ignored" in caplog.text
+
+
 def test_cpu_peak_is_best_seen_and_gpu_table(tmp_path):
     import json
     from internlm_core.utils.peak import _cpu_key, cpu_peak_flops, gpu_peak_flops
