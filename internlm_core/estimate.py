@@ -128,6 +128,18 @@ class Memory:
 
 
 @dataclass
+class Communication:
+    """FSDP's collectives on one rank (the busiest stage's) per training step, as parallel.CommCounter counts them:
+    the all-gathers' output bytes (unsharded weights in the gathered dtype) and the reduce-scatters' input bytes
+    (unsharded fp32 gradients). 0 without sharded data parallel."""
+
+    gathered_bytes: float = 0.0
+    reduced_bytes: float = 0.0
+    gathers: int = 0
+    reduces: int = 0
+
+
+@dataclass
 class Estimate:
     cfg: Config
     layout: Layout
@@ -145,6 +157,7 @@ class Estimate:
     peak_flops: float
     device_memory: Optional[float] = None
     notes: list = field(default_factory=list)
+    communication: Communication = field(default_factory=Communication)
 
     @property
     def step_time(self) -> float:
@@ -324,12 +337,49 @@ def estimate(cfg: Config, world_size: int = 1, precision: str = "internlm_core",
         notes.append(f"activation checkpointing: {n_ckpt} of {L_stage} layers per stage keep only their input")
     if lay.pp > 1:
         notes.append(f"pipeline: busiest stage '{mem.stage}', {in_flight:g} micro-batch(es) in flight on the first")
+    comm = fsdp_communication(lay, d.micro_num, grad_reduce, mem.stage, L_stage, layer_params, embed, head,
+                              comp if (autocast and lay.dp > 1) else 4) \
+        if precision == "internlm_core" else Communication()
+    if comm.gathers:
+        notes.append(f"FSDP per step: {comm.gathered_bytes / GiB:.2f} GiB gathered in {comm.gathers} all-gathers, "
+                     f"{comm.reduced_bytes / GiB:.2f} GiB reduced in {comm.reduces} reduce-scatters (the collectives' "
+                     f"sizes; (n-1)/n of them cross the wire; comm/* metrics measure them)")
     return Estimate(cfg=cfg, layout=lay, precision=precision, attention=attention, cross_entropy=cross_entropy,
                     grad_reduce=grad_reduce, parameters=total,
                     nonembedding_parameters=total - embed, model_flops_per_token=model_fpt,
                     hardware_flops_per_token=hw_fpt, tokens_per_step=tokens_mb * d.micro_num * lay.dp,
                     memory=mem, mfu=mfu, peak_flops=peak_tflops * 1e12,
-                    device_memory=device_memory_gib * GiB if device_memory_gib else None, notes=notes)
+                    device_memory=device_memory_gib * GiB if device_memory_gib else None, notes=notes,
+                    communication=comm)
+
+
+def fsdp_communication(lay: Layout, micro_num: int, grad_reduce: str, stage: str, layers: int, layer_params: float,
+                       embed: float, head: float, gathered_itemsize: int) -> Communication:
+    """FSDP's all-gathers and reduce-scatters per step on a rank of `stage` ("all" without pipeline parallel).
+
+    FSDP units: every block, and the root (what the blocks leave: embedding, final norm, output), each
+    `1 / tensor` of its parameters on a tensor-parallel rank. Without pipeline parallel a block is gathered for
+    its forward and again for its backward (it reshards after forward) and the root once, every micro-batch.
+    Under 1F1B a stage keeps its blocks gathered from a forward to the next backward and reshards after each
+    backward: one gather per micro-batch. Reduce-scatters: every unit every micro-batch ("micro_batch") or
+    once per step ("step"), in fp32. These are a steady step's figures: a pipeline's first step adds the
+    schedule's shape-inference forward, and a step after a validation finds the weights the validation left
+    gathered (measured in tests/dist/test_parallel.py).
+    """
+    out = Communication()
+    if lay.dp_shard <= 1:
+        return out
+    root = (embed if stage in ("all", "first") else 0.0) + (head if stage in ("all", "last") else 0.0)
+    units = [(layer_params / lay.tp, 2 if lay.pp == 1 else 1)] * layers
+    if root:
+        units.append((root / lay.tp, 1))
+    reduces_each = micro_num if grad_reduce == "micro_batch" else 1
+    for params, gathers in units:
+        out.gathers += gathers * micro_num
+        out.gathered_bytes += gathers * micro_num * params * gathered_itemsize
+        out.reduces += reduces_each
+        out.reduced_bytes += reduces_each * params * 4
+    return out
 
 
 def format_estimate(e: Estimate, other: Optional[Estimate] = None) -> str:

@@ -16,6 +16,7 @@ internlm_core/utils/estimate.py for every term.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 from pathlib import Path
@@ -79,7 +80,7 @@ def main(argv=None) -> int:
             "attention": e.attention, "cross_entropy": e.cross_entropy, "grad_reduce": e.grad_reduce,
             "parameters": e.parameters, "model_flops_per_token": e.model_flops_per_token,
             "hardware_flops_per_token": e.hardware_flops_per_token, "tokens_per_step": e.tokens_per_step,
-            "memory_gib": mem, "step_time_s": e.step_time, "tokens_per_device_per_second":
+            "memory_gib": mem, "communication": dataclasses.asdict(e.communication), "step_time_s": e.step_time, "tokens_per_device_per_second":
                 e.tokens_per_device_per_second, "mfu": e.mfu, "peak_tflops": args.peak_tflops,
             "notes": e.notes}, indent=2))
         return 0

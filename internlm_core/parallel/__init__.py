@@ -15,6 +15,7 @@ from ..model import ModelSpec, StageShapes, TensorParallelOptions, materialize
 from ..numerics import Precision
 from ..utils.logging import get_logger
 from .activation_checkpoint import checkpoint_and_compile
+from .comm import CommCounter
 from .fsdp import apply_fsdp, mixed_precision_policy
 
 if TYPE_CHECKING:
@@ -97,4 +98,4 @@ def __getattr__(name: str):
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
-__all__ = ["PipelineParallel", "apply_fsdp", "mixed_precision_policy", "checkpoint_and_compile", "parallelize_model", "split_model"]
+__all__ = ["CommCounter", "PipelineParallel", "apply_fsdp", "mixed_precision_policy", "checkpoint_and_compile", "parallelize_model", "split_model"]

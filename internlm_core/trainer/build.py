@@ -24,7 +24,7 @@ from ..monitor import (AlertManager, MemoryProfiler, RestartReporter, build_loss
 from ..model import build_model, count_parameters, model_args_from_config, model_flops_per_token, model_spec
 from ..numerics import Kernels, Precision, resolve_precision, select_kernels
 from ..optim import Beta2Scheduler, DynamicGradScaler, WarmupCosineLR, build_optimizer
-from ..parallel import parallelize_model
+from ..parallel import CommCounter, parallelize_model
 from ..utils.logging import get_logger
 from ..utils.peak import device_peak_flops
 from ..utils.timer import Timers
@@ -192,7 +192,8 @@ def build_trainer(cfg: Config, launch: LaunchInfo, run_dir: Path, seed: Optional
         valid_loaders=valid_loaders, state=state, dims=dims, device=launch.device, run_dir=run_dir,
         rank=launch.rank, world_size=launch.world_size, throughput=throughput, timers=timers,
         train_metric=metric, callbacks=CallbackList(callbacks),
-        batch_skipper=BatchSkipper(cfg.data.skip_batches), pipeline=pipeline, precision=precision, kernels=kernels)
+        batch_skipper=BatchSkipper(cfg.data.skip_batches), pipeline=pipeline, precision=precision, kernels=kernels,
+        comm=CommCounter.attach(model) if dims.dp_shard > 1 else None)
     trainer.checkpoint_manager = build_checkpoint_manager(cfg, trainer, launch, monitors, alerts)
     # after the stop controller; no save while the loss is unhealthy; a spike rewind after the save
     trainer.callbacks.add(CheckpointCallback(trainer.checkpoint_manager, health=monitors.get("loss_health")))

@@ -43,6 +43,7 @@ def check_fits(cfg: Config, world_size: int, rank: int, available: Optional[int]
 def simulate(cfg: Config, world_size: int, rank: int, run_dir: Path, seed: Optional[int] = None) -> dict:
     """Train `cfg` for `data.total_steps` steps as rank `rank` of `world_size`; returns (and prints) the summary."""
     predicted = check_fits(cfg, world_size, rank)
+    comm_predicted = estimate(cfg, world_size, device="cpu").communication
     cfg.ckpt.enable_save_ckpt = False  # nothing to save: the other ranks' shards do not exist
     cfg.ckpt.auto_resume = False
     cfg.ckpt.load_ckpt_info = None
@@ -62,11 +63,19 @@ def simulate(cfg: Config, world_size: int, rank: int, run_dir: Path, seed: Optio
     peak = int(memory.peak_record["peak_bytes"]) if memory.peak_record else 0
     summary = {"world_size": world_size, "rank": rank, "layout": trainer.dims.describe(),
                "parameters_held": held, "peak_bytes": peak, "estimated_bytes": int(predicted),
-               "peak_over_estimate": peak / predicted if predicted else None, "steps": trainer.state.batch_count}
+               "peak_over_estimate": peak / predicted if predicted else None, "steps": trainer.state.batch_count,
+               # FSDP's collectives in the last step (parallel.CommCounter) and the estimator's figures
+               "comm": {k: v for k, v in trainer.last_metrics.items() if k.startswith("comm/")},
+               "comm_estimated": dataclasses.asdict(comm_predicted)}
     (run_dir / "simulate.json").write_text(json.dumps(summary, indent=1))
     print(f"simulated rank {rank} of {world_size} ({summary['layout']}), {summary['steps']} steps on this CPU:\n"
           f"  parameters held   {held:,}\n"
           f"  peak memory       {peak / GiB:.2f} GiB (memory_report.json)\n"
           f"  estimator (cpu)   {predicted / GiB:.2f} GiB\n"
           f"  peak / estimate   {summary['peak_over_estimate']:.2f}")
+    if summary["comm"]:
+        c = summary["comm"]
+        print(f"  FSDP per step     {c['comm/gathered_bytes'] / GiB:.2f} GiB gathered ({c['comm/gathers']} all-gathers), "
+              f"{c['comm/reduced_bytes'] / GiB:.2f} GiB reduced ({c['comm/reduces']} reduce-scatters); estimator "
+              f"{comm_predicted.gathered_bytes / GiB:.2f} / {comm_predicted.reduced_bytes / GiB:.2f} GiB")
     return summary

@@ -97,6 +97,7 @@ class Trainer:
     pipeline: Any = None  # parallel.PipelineParallel when parallel.pipeline > 1: runs this rank's stages
     precision: Optional[Precision] = None  # autocast; default resolve_precision(loop.dtype, device)
     kernels: Optional[Kernels] = None      # numerics.select_kernels: when FSDP reduces gradients (grad_reduce)
+    comm: Any = None  # parallel.CommCounter under FSDP: bytes gathered and reduced per step (comm/* metrics)
     stop_request: StopRequest = field(default_factory=StopRequest)
     last_metrics: dict = field(default_factory=dict)
     _step_end: float = 0.0  # perf_counter at the end of the last step: the start of the next step's time
@@ -258,6 +259,8 @@ class Trainer:
         optimizer step, so it includes data loading and everything done between steps (metrics, writers,
         callbacks, checkpoint saving) as the peer benchmark measures a step; validation is not in it."""
         self.model.train()
+        if self.comm is not None:
+            self.comm.reset()  # this step's collectives only (not the validation before it)
         loss = self.forward_backward(batch)
         with self.timers("optim"):
             success, grad_norm = self.optimizer_step()
@@ -284,6 +287,8 @@ class Trainer:
         per_type = getattr(self.train_loader, "consumed_tokens_per_type", None)  # all ranks' tokens of each type so far
         metrics.update({f"tokens/{k}": v for k, v in (per_type() if per_type else {}).items()})
         metrics.update({f"time/{k}": v for k, v in self.timers.pop().items()})
+        if self.comm is not None:
+            metrics.update(self.comm.pop())
         return metrics
 
     def train(self) -> TrainState:

@@ -49,8 +49,9 @@ BASE = ["data.seq_len=32", "data.micro_bsz=2", "data.valid_every=2",
         "monitor.tensorboard=False", "monitor.log_every=100", "adam.lr=2e-3", "lr_scheduler.warmup_ratio=0.2",
         "lr_scheduler.total_steps=10", "ckpt.enable_save_ckpt=True", "ckpt.checkpoint_every=2",
         "ckpt.auto_resume=False"]
+# the interleaved pipeline layouts (INTERNLM) need 4 layers: 2 stages x 2 chunks; 2 layers do for the rest
 MODEL = {"INTERNLM": ["model_type=INTERNLM"],  # bias on q/k/v/o
-         "INTERNLM2": ["model_type=INTERNLM2", "model.num_kv_attention_heads=2"]}  # grouped-query attention
+         "INTERNLM2": ["model_type=INTERNLM2", "model.num_kv_attention_heads=2", "model.num_layers=2"]}  # GQA
 DTYPES = {"fp32": "torch.float32", "bf16": "torch.bfloat16", "fp16": "torch.float16"}
 
 # name: (processes, model type, precision, overrides)
@@ -205,6 +206,7 @@ def run_job(name: str, launch, root: Path) -> None:
         def on_step_end(self, trainer, metrics):
             for k in ("acc", "ppl", "grad_norm"):
                 record[k].append(metrics[k])
+            record.setdefault("comm", []).append({k: v for k, v in metrics.items() if k.startswith("comm/")})
             record["losses"].append(metrics["loss"])
             if metrics["step"] == STEPS:  # what the 5-step layouts end with (the fp32 references go on to 10)
                 record["params5"] = _full_params(trainer.model)
@@ -218,6 +220,7 @@ def run_job(name: str, launch, root: Path) -> None:
             record["validations"] += 1
 
     trainer = build_trainer(cfg, launch, resolve_run_dir(cfg, str(out_dir / "run"), launch), extra_callbacks=[Record()])
+    record["pp_rank"] = trainer.dims.pp_rank
     # validation on rows never trained on, split over dp ranks like any validation batch
     trainer.valid_loaders = {"probe": [trainer.train_loader.batch_at(PROBE_ROW)]}
     if name in RESUMES:  # build_trainer loaded the checkpoint already
@@ -372,6 +375,36 @@ def test_vocab_parallel_loss_and_argmax(runs, name):
             assert v[f"grad_diff_{eps}"] <= 1e-7, v
 
 
+
+
+@pytest.mark.parametrize("name", ["zero2", "hsdp", "dp2_tp2", "dp2_pp2", "zero2_bf16"])
+def test_fsdp_bytes_per_step_are_the_estimated(runs, name, tmp_path):
+    """The comm/* metrics (FSDP's all-gathers and reduce-scatters, counted as they run) equal the estimator's
+    prediction in a steady step (2 and 4: after a training step): the counts exactly, the bytes within 1% (tensor
+    parallel replicates the norms, which the estimate divides by tensor like every other parameter; FSDP pads
+    dim 0 to a multiple of its group). A step after a validation finds weights the validation left gathered (the
+    root, and under pipeline parallel the stage's blocks): fewer gathers, never more, and the same reductions."""
+    from internlm_core.estimate import estimate
+    world = job(name)[0]
+    e = estimate(_config(name, tmp_path, world), world, device="cpu")
+    c = e.communication
+    assert c.gathers > 0 and c.reduces > 0
+    stage = e.memory.stage  # the busiest pipeline stage ("all" without pipeline parallel)
+    checked = 0
+    for rec in runs(name):
+        if stage != "all" and rec["pp_rank"] != (0 if stage == "first" else 1):
+            continue
+        assert len(rec["comm"]) == STEPS
+        for i, step in enumerate(rec["comm"], start=1):
+            assert step["comm/reduces"] == c.reduces, (i, step, c)
+            assert step["comm/reduced_bytes"] == pytest.approx(c.reduced_bytes, rel=0.01), (i, step, c)
+            if i in (2, 4):  # steady steps
+                assert step["comm/gathers"] == c.gathers, (i, step, c)
+                assert step["comm/gathered_bytes"] == pytest.approx(c.gathered_bytes, rel=0.01), (i, step, c)
+            elif i in (3, 5):  # after the validations of steps 2 and 4
+                assert 0 < step["comm/gathers"] < c.gathers, (i, step, c)
+        checked += 1
+    assert checked >= 1
 
 
 @pytest.mark.parametrize("name", list(RESUMES))
