@@ -9,5 +9,3 @@ os.environ.setdefault("INTERNLM_CORE_PEAK_TFLOPS", "0.05")
 # idle OpenMP threads sleep instead of spinning on a core another process needs
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-# inductor compiles in the process: no pool of compile workers (each importing torch) per compiling process
-os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")

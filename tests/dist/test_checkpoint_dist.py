@@ -25,8 +25,8 @@ def output(p) -> str:
 
 def train_args(run: Path, ckpt: Path, *extra: str) -> list[str]:
     return ["--config", "configs/tiny.py", "--run-dir", str(run), "--set", f"data.total_steps={STEPS}",
-            "data.valid_every=0", "monitor.tensorboard=False", "monitor.log_every=5", "ckpt.enable_save_ckpt=True",
-            f"ckpt.save_ckpt_folder={ckpt}", "ckpt.checkpoint_every=2", *extra]
+            "data.seq_len=64", "data.valid_every=0", "monitor.tensorboard=False", "monitor.log_every=5",
+            "ckpt.enable_save_ckpt=True", f"ckpt.save_ckpt_folder={ckpt}", "ckpt.checkpoint_every=2", *extra]
 
 
 def test_two_ranks_sigkill_then_auto_resume_is_bitwise(tmp_path):
@@ -53,7 +53,7 @@ def test_two_ranks_sigkill_then_auto_resume_is_bitwise(tmp_path):
     resumed = read_metrics(tmp_path / "resumed")
     assert [r["step"] for r in resumed] == list(range(KILL + 1, STEPS + 1))
     assert [r["loss"] for r in resumed] == [ref_loss[s] for s in range(KILL + 1, STEPS + 1)]
-    assert resumed[-1]["num_consumed_tokens"] == STEPS * 2 * 2 * 512
+    assert resumed[-1]["num_consumed_tokens"] == STEPS * 2 * (2 * 2) * 64  # steps x dp x micro_num x micro_bsz x seq
 
 
 # ---- resharding: N processes save, M load -------------------------------------------------------------------------

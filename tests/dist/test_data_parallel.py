@@ -1,4 +1,7 @@
-"""Two processes under torchrun (gloo): data parallel, replicated and sharded, trains as one process does.
+"""Two processes (gloo): data parallel, replicated and sharded, trains as one process does.
+
+The replicated run starts under torchrun, as users start it; the one-process reference and the sharded run fork
+from the warm test interpreter with the environment torchrun gives (tests/helpers/warm.py).
 
 The reference is one process running the same global batch (micro_num 4 instead of 2 ranks x 2): the loader
 gives rank r the rows [consumed + 2r, consumed + 2r + 2), so the two runs see the same rows in the same order and
@@ -18,10 +21,10 @@ STEPS = 10
 COMMON = ["--config", "configs/tiny.py", "--set", f"data.total_steps={STEPS}", "data.valid_every=0"]
 
 
-def _train(tmp, name, nproc, extra):
+def _train(tmp, name, nproc, extra, torchrun=False):
     run, prefix = tmp / name, str(tmp / f"{name}.weights")
     args = [prefix, *COMMON[:2], "--run-dir", str(run), *COMMON[2:], *extra]
-    p = run_train(args, nproc=nproc, script="tests/dist/dp_driver.py", fresh=True)  # as users start it: torchrun
+    p = run_train(args, nproc=nproc, script="tests/dist/dp_driver.py", fresh=torchrun)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     weights = [(torch.load(f"{prefix}.rank{r}.init.pt"), torch.load(f"{prefix}.rank{r}.pt")) for r in range(nproc)]
     return read_metrics(run), weights
@@ -58,10 +61,10 @@ def _assert_same_training(recs, ranks, one_process):
 
 
 def test_torchrun_two_ranks_replicated_equals_one_process(tmp_path, one_process):
-    recs, ranks = _train(tmp_path, "dp", 2, ["parallel.zero1=1"])
+    recs, ranks = _train(tmp_path, "dp", 2, ["parallel.zero1=1"], torchrun=True)
     _assert_same_training(recs, ranks, one_process)
 
 
-def test_torchrun_two_ranks_fsdp_sharded_equals_one_process(tmp_path, one_process):
+def test_two_ranks_fsdp_sharded_equals_one_process(tmp_path, one_process):
     recs, ranks = _train(tmp_path, "fsdp", 2, ["parallel.zero1=-1"])
     _assert_same_training(recs, ranks, one_process)

@@ -23,7 +23,8 @@ STEPS = 10
 
 def train_args(run: Path, ckpt: Path, *extra: str) -> list[str]:
     return ["--config", "configs/tiny.py", "--run-dir", str(run), "--set", f"data.total_steps={STEPS}",
-            "data.micro_num=1", "data.valid_every=0", "monitor.tensorboard=False", "monitor.log_every=100",
+            "data.seq_len=64", "data.micro_num=1", "data.valid_every=0", "monitor.tensorboard=False",
+            "monitor.log_every=100",
             "ckpt.enable_save_ckpt=True", f"ckpt.save_ckpt_folder={ckpt}", "ckpt.checkpoint_every=3",
             "ckpt.async_upload=False", *extra]  # step 3's checkpoint complete before step 4 begins
 

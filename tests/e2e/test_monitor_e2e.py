@@ -11,25 +11,27 @@ from pathlib import Path
 
 import pytest
 
+from tests.helpers import warm
 from tests.helpers.webhook_receiver import WebhookReceiver
 from tests.helpers.launch import ROOT, env, read_metrics, run_train
 
 pytestmark = pytest.mark.slow
 
 
-def start_train(run: Path, *overrides: str) -> subprocess.Popen:
-    cmd = [sys.executable, str(ROOT / "train.py"), "--config", "configs/tiny.py", "--run-dir", str(run),
-           "--set", "data.valid_every=0", "monitor.log_every=1", *overrides]
-    return subprocess.Popen(cmd, cwd=ROOT, env=env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+def start_train(run: Path, *overrides: str) -> warm.Started:
+    """`python train.py ...` in the background (forked from the warm test interpreter, tests/helpers/warm.py)."""
+    args = ["--config", "configs/tiny.py", "--run-dir", str(run), "--set", "data.valid_every=0", "monitor.log_every=1",
+            *overrides]
+    return warm.start(str(ROOT / "train.py"), args, env(), ROOT)
 
 
-def wait_for_steps(run: Path, n: int, proc: subprocess.Popen, timeout: float = 120) -> None:
+def wait_for_steps(run: Path, n: int, proc: warm.Started, timeout: float = 120) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         path = run / "metrics.jsonl"
         if path.exists() and len(path.read_text().splitlines()) >= n:
             return
-        assert proc.poll() is None, proc.stdout.read()
+        assert proc.poll() is None, proc.output()
         time.sleep(0.1)
     raise AssertionError(f"no {n} steps within {timeout} s")
 
@@ -109,13 +111,13 @@ def run_fault(tmp_path: Path, kind: str, nproc: int, *overrides: str, timeout: f
                   "JOB_NAME=faulty", *overrides]
     driver = str(ROOT / "tests/e2e/fault_driver.py")
     fault = [kind, "3", str(nproc - 1), "--"]
-    if nproc == 1:
-        cmd = [sys.executable, driver, *fault, *train_args]
-    else:
+    t0 = time.monotonic()
+    if nproc == 1:  # forked from the warm test interpreter
+        p = run_train([*fault, *train_args], script="tests/e2e/fault_driver.py", timeout=timeout)
+    else:  # torchrun, which ends the other rank when one fails
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
                driver, *fault, *train_args]
-    t0 = time.monotonic()
-    p = subprocess.run(cmd, cwd=ROOT, env=env(), capture_output=True, text=True, timeout=timeout)
+        p = subprocess.run(cmd, cwd=ROOT, env=env(), capture_output=True, text=True, timeout=timeout)
     return p, run, time.monotonic() - t0
 
 

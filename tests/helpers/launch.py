@@ -18,7 +18,6 @@ def env() -> dict:
     # a fixed MFU denominator instead of ~1 s of matmuls at the start of every run (utils/peak.py)
     e.setdefault("INTERNLM_CORE_PEAK_TFLOPS", "0.05")
     e.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # see tests/conftest.py
-    e.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
     return e
 
 

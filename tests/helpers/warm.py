@@ -134,3 +134,49 @@ def run(script: str, args: list[str], env: dict, cwd: Path, timeout: float, npro
         err = "".join(Path(f"{tmp}/err{r}").read_text(errors="replace") for r in range(nproc))
     code = codes[0] if nproc == 1 else (0 if all(c == 0 for c in codes) else 1)
     return subprocess.CompletedProcess([script, *args], code, out, err)
+
+
+class Started:
+    """A warm run in the background (`start`), with the parts of subprocess.Popen the tests use: pid, poll,
+    send_signal, wait, communicate (stdout and stderr together, as Popen with stderr=STDOUT gives them)."""
+
+    def __init__(self, process, tmp: tempfile.TemporaryDirectory, args: list[str]):
+        self._process, self._tmp, self.args = process, tmp, args
+        self.returncode: int | None = None
+
+    @property
+    def pid(self) -> int:
+        return self._process.pid
+
+    def poll(self) -> int | None:
+        if self.returncode is None and self._process.exitcode is not None:
+            self.returncode = self._process.exitcode
+        return self.returncode
+
+    def send_signal(self, sig: int) -> None:
+        if self.poll() is None:
+            os.kill(self._process.pid, sig)
+
+    def wait(self, timeout: float | None = None) -> int:
+        self._process.join(timeout)
+        if self.poll() is None:
+            raise subprocess.TimeoutExpired(self.args, timeout)
+        return self.returncode
+
+    def output(self) -> str:
+        return "".join(Path(self._tmp.name, f).read_text(errors="replace") for f in ("out", "err"))
+
+    def communicate(self, timeout: float | None = None) -> tuple[str, None]:
+        self.wait(timeout)
+        out = self.output()
+        self._tmp.cleanup()
+        return out, None
+
+
+def start(script: str, args: list[str], env: dict, cwd: Path) -> Started:
+    """`python SCRIPT ARGS` forked warm, in the background (for tests that signal a run or watch it)."""
+    tmp = tempfile.TemporaryDirectory()
+    p = context().Process(target=_child, args=(str(script), list(args), dict(env), str(cwd), f"{tmp.name}/out",
+                                               f"{tmp.name}/err"))
+    p.start()
+    return Started(p, tmp, [script, *args])
