@@ -15,6 +15,7 @@ import sys
 
 import pytest
 
+from tests.helpers import warm
 from tests.helpers.launch import ROOT, env as base_env, read_metrics
 
 pytestmark = pytest.mark.slow
@@ -67,13 +68,15 @@ def slurm_env(procid: int, ntasks: int, job_id: int) -> dict:
     return e
 
 
-def run_srun_like(cmd: list[str], ntasks: int, job_id: int, timeout: float = 240) -> list[subprocess.CompletedProcess]:
-    procs = [subprocess.Popen(cmd, cwd=ROOT, env=slurm_env(i, ntasks, job_id), stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE, text=True) for i in range(ntasks)]
+def run_srun_like(script: str, args: list[str], ntasks: int, job_id: int, timeout: float = 240
+                  ) -> list[subprocess.CompletedProcess]:
+    """`python SCRIPT ARGS` as `ntasks` tasks with the variables srun sets (forked from the warm test
+    interpreter, tests/helpers/warm.py)."""
+    procs = [warm.start(script, args, slurm_env(i, ntasks, job_id), ROOT) for i in range(ntasks)]
     results = []
     for p in procs:
-        out, err = p.communicate(timeout=timeout)
-        results.append(subprocess.CompletedProcess(p.args, p.returncode, out, err))
+        out, _ = p.communicate(timeout=timeout)
+        results.append(subprocess.CompletedProcess(p.args, p.returncode, out, out))
     return results
 
 
@@ -87,7 +90,7 @@ def test_slurm_env_forms_the_same_group_as_torchrun(tmp_path):
     port = free_port_in(29600, 39000)
     (tmp_path / "slurm").mkdir()
     (tmp_path / "torchrun").mkdir()
-    slurm = run_srun_like([sys.executable, str(script), str(tmp_path / "slurm")], 2, job_id=port - 29500)
+    slurm = run_srun_like(str(script), [str(tmp_path / "slurm")], 2, job_id=port - 29500)
     for r in slurm:
         assert r.returncode == 0, r.stderr[-3000:]
     by_slurm = probes(tmp_path / "slurm")

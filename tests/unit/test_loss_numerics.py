@@ -15,6 +15,7 @@ from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor.parallel import loss_parallel
 
 from internlm_core.loss import FlashGPTLMLoss
+from internlm_core.model.layers import linear
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 # relative error allowed per element: fp32 a few roundings of the softmax; 16 bits at most two roundings
@@ -145,7 +146,8 @@ def test_fused_loss_under_autocast_keeps_every_entry(kernel, dtype, weight_toler
     (F.cross_entropy(h @ W.t(), y, ignore_index=-100) * scale).backward()
     w_ref, W.grad = W.grad, None
     with torch.autocast("cpu", dtype=dtype):
-        logits = h @ W.t()
+        logits = linear(h, W)  # the model's output layer (a 16-bit GEMM; fp32 products on CPUs without one)
+    assert logits.dtype == dtype
     logits.retain_grad()
     loss, _ = FlashGPTLMLoss(kernel)(logits, y)
     (loss * scale).backward()
