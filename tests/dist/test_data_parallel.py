@@ -63,8 +63,13 @@ def _assert_same_training(recs, ranks, one_process):
 def test_torchrun_two_ranks_replicated_equals_one_process(tmp_path, one_process):
     recs, ranks = _train(tmp_path, "dp", 2, ["parallel.zero1=1"], torchrun=True)
     _assert_same_training(recs, ranks, one_process)
+    # replicated: the CPU allocator keeps freed memory for the next step (speed)
+    assert "freed tensor memory is kept for reuse" in (tmp_path / "dp" / "rank0.log").read_text()
 
 
 def test_two_ranks_fsdp_sharded_equals_one_process(tmp_path, one_process):
     recs, ranks = _train(tmp_path, "fsdp", 2, ["parallel.zero1=-1"])
     _assert_same_training(recs, ranks, one_process)
+    # sharded: freed memory goes back at once, or the heap would grow back to the unsharded size
+    assert "freed memory goes back to the OS at once (sharded data parallel)" in \
+        (tmp_path / "fsdp" / "rank0.log").read_text()
