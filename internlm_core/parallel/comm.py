@@ -70,7 +70,7 @@ class _CountingAllGather(AllGather):
                  async_op: bool = False):
         self.counter.gathered += output_tensor.numel() * output_tensor.element_size()
         self.counter.gathers += 1
-        return dist.all_gather_into_tensor(output_tensor, input_tensor, group=group, async_op=async_op)
+        return dist.all_gather_single(output_tensor, input_tensor, group=group, async_op=async_op)
 
 
 class _CountingReduceScatter(ReduceScatter):
@@ -84,4 +84,4 @@ class _CountingReduceScatter(ReduceScatter):
                  op, async_op: bool = False):
         self.counter.reduced += input_tensor.numel() * input_tensor.element_size()
         self.counter.reduces += 1
-        return dist.reduce_scatter_tensor(output_tensor, input_tensor, op=op, group=group, async_op=async_op)
+        return dist.reduce_scatter_single(output=output_tensor, input=input_tensor, group=group, op=op, async_op=async_op)

@@ -101,6 +101,21 @@ def process_peak_rss() -> int:
     return int(maxrss if sys.platform == "darwin" else maxrss * 1024)  # macOS reports bytes, Linux KiB
 
 
+def return_large_freed_cpu_memory(threshold: int = 2**20) -> bool:
+    """Make glibc map every block of `threshold` bytes or more on its own and unmap it when freed (glibc's own
+    threshold floats up to 32 MiB): large tensors that come and go (FSDP's gathered weights and unsharded
+    gradients) go back to the OS at once instead of fragmenting the heap, while small ones (activations of a
+    micro-batch) are reused from it. For sharded data parallel. Same conditions as `keep_freed_cpu_memory`."""
+    if "GLIBC_TUNABLES" in os.environ or any(k.startswith("MALLOC_") for k in os.environ):
+        return False
+    try:
+        mallopt = ctypes.CDLL("libc.so.6").mallopt
+    except (OSError, AttributeError):
+        return False
+    m_mmap_threshold = -3
+    return bool(mallopt(m_mmap_threshold, int(threshold)))
+
+
 def track_live_cpu_memory() -> bool:
     """Make glibc return freed tensor memory to the OS at once, so that the resident set follows the live tensors
     (as `torch.cuda.max_memory_allocated` does on GPUs): every block above 64 KiB mapped on its own and unmapped
