@@ -131,12 +131,14 @@ def test_the_measure_catches_vanishing_entries():
     assert (old.float() - ref).abs().max() <= 2**-7 * ref.abs().max()
 
 
-@pytest.mark.parametrize("kernel", ["fused_chunked", "fused_chunked_compiled"])
+@pytest.mark.parametrize("kernel", ["fused_chunked"])
 @pytest.mark.parametrize("dtype,weight_tolerance", [(torch.float16, 0.005), (torch.bfloat16, 0.02)], ids=str)
 def test_fused_loss_under_autocast_keeps_every_entry(kernel, dtype, weight_tolerance):
     """The issue's setting at a CPU-friendly size: a 16-bit autocast output layer, a 2**16 loss scale over 4
     micro-batches; every logit-gradient entry of the fp32 reference is kept, and the output weight's gradient is
-    within 0.5% (fp16) / 2% (bf16) of a model run entirely in fp32."""
+    within 0.5% (fp16) / 2% (bf16) of a model run entirely in fp32. (The compiled kernel computes the same chunks;
+    test_every_loss_path_against_fp32_reference holds it to the same per-entry measure in fp16 and bf16 with loss
+    scaling, at a size that compiles in seconds.)"""
     N, V, H, scale = 2048, 16000, 64, 2.0**16 / 4
     g = torch.Generator().manual_seed(1)
     h = torch.randn(N, H, generator=g)
