@@ -101,19 +101,30 @@ def process_peak_rss() -> int:
     return int(maxrss if sys.platform == "darwin" else maxrss * 1024)  # macOS reports bytes, Linux KiB
 
 
+# mallopt's parameters (malloc.h)
+M_TRIM_THRESHOLD, M_MMAP_THRESHOLD, M_MMAP_MAX = -1, -3, -4
+
+
+def _mallopt():
+    """glibc's mallopt, or None: without glibc, or when the user set MALLOC_* / GLIBC_TUNABLES (their choice
+    wins over the settings below)."""
+    if "GLIBC_TUNABLES" in os.environ or any(k.startswith("MALLOC_") for k in os.environ):
+        return None
+    try:
+        return ctypes.CDLL("libc.so.6").mallopt
+    except (OSError, AttributeError):
+        return None
+
+
 def return_large_freed_cpu_memory(threshold: int = 2**20) -> bool:
     """Make glibc map every block of `threshold` bytes or more on its own and unmap it when freed (glibc's own
     threshold floats up to 32 MiB): large tensors that come and go (FSDP's gathered weights and unsharded
     gradients) go back to the OS at once instead of fragmenting the heap, while small ones (activations of a
     micro-batch) are reused from it. For sharded data parallel. Same conditions as `keep_freed_cpu_memory`."""
-    if "GLIBC_TUNABLES" in os.environ or any(k.startswith("MALLOC_") for k in os.environ):
+    mallopt = _mallopt()
+    if mallopt is None:
         return False
-    try:
-        mallopt = ctypes.CDLL("libc.so.6").mallopt
-    except (OSError, AttributeError):
-        return False
-    m_mmap_threshold = -3
-    return bool(mallopt(m_mmap_threshold, int(threshold)))
+    return bool(mallopt(M_MMAP_THRESHOLD, int(threshold)))
 
 
 def track_live_cpu_memory() -> bool:
@@ -122,14 +133,10 @@ def track_live_cpu_memory() -> bool:
     when freed, the heap's free top trimmed. For measuring memory (a simulated rank, the estimator's checks);
     training keeps `keep_freed_cpu_memory`, which is faster. Same conditions as that one; returns whether
     it was applied."""
-    if "GLIBC_TUNABLES" in os.environ or any(k.startswith("MALLOC_") for k in os.environ):
+    mallopt = _mallopt()
+    if mallopt is None:
         return False
-    try:
-        mallopt = ctypes.CDLL("libc.so.6").mallopt
-    except (OSError, AttributeError):
-        return False
-    m_trim_threshold, m_mmap_threshold = -1, -3
-    return bool(mallopt(m_mmap_threshold, 65536)) and bool(mallopt(m_trim_threshold, 0))
+    return bool(mallopt(M_MMAP_THRESHOLD, 65536)) and bool(mallopt(M_TRIM_THRESHOLD, 0))
 
 
 def reset_peak_rss() -> bool:
@@ -160,11 +167,7 @@ def keep_freed_cpu_memory() -> bool:
     reuses it, as a caching allocator does on GPUs. Not applied when the user set MALLOC_* or
     GLIBC_TUNABLES (their choice wins), or without glibc. Returns whether it was applied.
     """
-    if "GLIBC_TUNABLES" in os.environ or any(k.startswith("MALLOC_") for k in os.environ):
+    mallopt = _mallopt()
+    if mallopt is None:
         return False
-    try:
-        mallopt = ctypes.CDLL("libc.so.6").mallopt
-    except (OSError, AttributeError):
-        return False
-    m_trim_threshold, m_mmap_max = -1, -4
-    return bool(mallopt(m_mmap_max, 0)) and bool(mallopt(m_trim_threshold, 2**31 - 1))
+    return bool(mallopt(M_MMAP_MAX, 0)) and bool(mallopt(M_TRIM_THRESHOLD, 2**31 - 1))
