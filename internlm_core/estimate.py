@@ -10,7 +10,9 @@ internlm_core (this code base): parameters, gradients and AdamW's two moments ar
     autocast, which keeps a 16-bit copy of every weight matrix used in forward until backward (the cast is
     saved for the input gradient), so the matrices of non-recomputed layers cost 2 more bytes per parameter,
     unsharded. FSDP holds the gathered parameters of the running and the prefetched block, the gathered
-    gradient of one block before its reduce-scatter, and the root's (embedding, final norm, output) all step.
+    gradient of one block before its reduce-scatter, and the root's (embedding, final norm, output) all step,
+    each a full-size buffer beside its shard; a pipeline stage keeps all its blocks gathered and the fp32
+    reduce-scatter input of the unit it reduced last until the next micro-batch's backward.
     Gradient accumulation (numerics' Kernels.grad_reduce): sharded data parallel reduce-scatters every
     micro-batch, so only the sharded fp32 gradients accumulate; where gradients are reduced once per step
     (pipeline parallel's schedule, or `grad_reduce="step"`), FSDP keeps every parameter's gradient unsharded in
@@ -109,14 +111,16 @@ class Memory:
     activations: float = 0.0     # tensors saved for backward (all layers, in-flight micro-batches)
     loss_peak: float = 0.0       # transient buffers of the loss backward (logits gradient)
     gemm_copies: float = 0.0     # CPU without native 16-bit GEMM: fp32 operands of the largest linear's backward
+    runtime: float = 0.0         # CPU: the process itself (Python, torch, the data pipeline), as measured
     stage: str = ""
 
     ORDER = ("parameters", "gradients", "optimizer", "weight_copies", "fsdp_gathered", "accumulated_gradients",
-             "activations", "loss_peak", "gemm_copies")
+             "activations", "loss_peak", "gemm_copies", "runtime")
     LABELS = {"parameters": "parameters", "gradients": "gradients", "optimizer": "optimizer state",
               "weight_copies": "16-bit weight copies", "fsdp_gathered": "FSDP gathered",
               "accumulated_gradients": "accumulated gradients", "activations": "activations",
-              "loss_peak": "loss backward peak", "gemm_copies": "fp32 GEMM copies (CPU)"}
+              "loss_peak": "loss backward peak", "gemm_copies": "fp32 GEMM copies (CPU)",
+              "runtime": "process itself (CPU)"}
 
     @property
     def states(self) -> float:
@@ -129,7 +133,7 @@ class Memory:
 
 @dataclass
 class Communication:
-    """FSDP's collectives on one rank (the busiest stage's) per training step, as parallel.CommCounter counts them:
+    """FSDP's collectives on one rank (of the stage the memory figures are for) per training step, as parallel.CommCounter counts them:
     the all-gathers' output bytes (unsharded weights in the gathered dtype) and the reduce-scatters' input bytes
     (unsharded fp32 gradients). 0 without sharded data parallel."""
 
@@ -190,13 +194,17 @@ def _bytes_per_token_per_layer(a: ModelArgs, seq_len: int, comp: int, resid: int
 def estimate(cfg: Config, world_size: int = 1, precision: str = "internlm_core", mfu: float = DEFAULT_MFU,
              peak_tflops: float = DEFAULT_PEAK_TFLOPS, attention: Optional[str] = None,
              device_memory_gib: Optional[float] = None, args: Optional[ModelArgs] = None,
-             device: str = "cuda", grad_reduce: Optional[str] = None) -> Estimate:
+             device: str = "cuda", grad_reduce: Optional[str] = None, pipeline_rank: Optional[int] = None,
+             runtime_bytes: float = 0.0) -> Estimate:
     """The figures of `cfg` on `world_size` devices of type `device` ("cuda" or "cpu").
 
     The kernels are those numerics.select_kernels would choose on such devices with requirements-gpu.txt
     installed and working (flash-attn on CUDA for 16-bit compute, cpu_blocked on CPU, ...). attention: override
     with "flash" (no mask), "sdpa" (a packed-document mask) or "cpu_blocked" (probabilities kept). grad_reduce:
     override when FSDP reduces gradients, "micro_batch" or "step" (which keeps them unsharded in between).
+    pipeline_rank: the memory of that pipeline stage instead of the busiest one. runtime_bytes: what the process
+    holds before the model (CPU: its resident memory, which the peak of a CPU run counts; a CUDA allocator's peak
+    does not count it, so it is ignored there).
     """
     if precision not in PRECISIONS:
         raise ValueError(f"precision {precision!r}: expected one of {PRECISIONS}")
@@ -265,12 +273,15 @@ def estimate(cfg: Config, world_size: int = 1, precision: str = "internlm_core",
     def gemm_copies(out_dim: float, in_dim: float) -> float:
         return 4 * (2 * out_dim * in_dim + tokens_mb * (out_dim + in_dim)) if upcast else 0.0
 
-    def stage_memory(params_here: float, act: float, with_head: bool, name: str) -> Memory:
+    def stage_memory(params_here: float, act: float, with_head: bool, name: str, warmup: int = 0) -> Memory:
+        """warmup: the forwards a pipeline stage runs before its first backward (1F1B); when that is every
+        micro-batch, the peak (all of them in flight) comes before any gradient of the step exists."""
         mem = Memory(stage=name)
         per_tp = params_here / lay.tp
+        forward_first = lay.pp > 1 and lay.num_chunks == 1 and d.micro_num <= warmup
         if precision == "internlm_core":
             mem.parameters = 4 * per_tp / lay.dp_shard
-            mem.gradients = 4 * per_tp / lay.dp_shard
+            mem.gradients = 0.0 if forward_first else 4 * per_tp / lay.dp_shard
             mem.optimizer = 8 * per_tp / lay.dp_shard
             # FSDP's mixed precision (any data parallel) gathers 16-bit weights: autocast copies none of them
             fsdp_mp = autocast and lay.dp > 1
@@ -279,13 +290,18 @@ def estimate(cfg: Config, world_size: int = 1, precision: str = "internlm_core",
                 copies += (V * h) if with_head else 0
                 mem.weight_copies = 2 * copies / lay.tp
             if lay.dp_shard > 1:
-                root = (embed if name != "last" or lay.pp == 1 else 0) + (head if with_head else 0)
+                # gathered tensors are new full-size buffers, beside the shards (counted in parameters)
+                root = (embed if name in ("all", "first") else 0) + (head if with_head else 0)
                 w = comp if fsdp_mp else 4  # bytes of a gathered weight
-                if lay.pp > 1:  # pipeline: blocks stay gathered between micro-batches
-                    gathered = w * (L_stage * layer_params + root)
-                else:
+                if lay.pp > 1:
+                    # blocks stay gathered between micro-batches; the schedule's backwards are not the last
+                    # (set_is_last_backward(False)), so FSDP keeps the fp32 reduce-scatter input of the unit it
+                    # reduced last (the root, or the stage's first block) until the next micro-batch's backward
+                    kept_input = 0 if forward_first else 4 * (root or layer_params)
+                    gathered = w * (L_stage * layer_params + root) + kept_input
+                else:  # the running and the prefetched block, the root, one block's unsharded fp32 gradient
                     gathered = w * (2 * layer_params + root) + 4 * layer_params
-                mem.fsdp_gathered = gathered / lay.tp * (1 - 1 / lay.dp_shard)
+                mem.fsdp_gathered = gathered / lay.tp
             if keeps_unsharded:  # every gradient unsharded in fp32 until the last micro-batch's reduction
                 mem.accumulated_gradients = 4 * per_tp * (1 - 1 / lay.dp_shard)
         else:
@@ -301,12 +317,22 @@ def estimate(cfg: Config, world_size: int = 1, precision: str = "internlm_core",
         return mem
 
     stage_layer_params = L_stage * layer_params
+    if pipeline_rank is not None and not 0 <= pipeline_rank < lay.pp:
+        raise ValueError(f"pipeline_rank {pipeline_rank}: expected 0 <= rank < {lay.pp}")
     if lay.pp == 1:
         mem = stage_memory(total, last_stage_act, True, "all")
+    elif pipeline_rank is not None and 0 < pipeline_rank < lay.pp - 1:
+        # a middle stage: its layers only, with (pp - rank) micro-batches in flight under 1F1B
+        flight = min(lay.pp - pipeline_rank, d.micro_num) * in_flight / min(lay.pp, d.micro_num)
+        mem = stage_memory(stage_layer_params, tokens_mb * flight * (layers_act + shared_tok), False, "middle",
+                           warmup=lay.pp - pipeline_rank)
     else:
-        first = stage_memory(stage_layer_params + embed, first_stage_act, False, "first")
-        last = stage_memory(stage_layer_params + head, last_stage_act, True, "last")
-        mem = max((first, last), key=lambda x: x.total)
+        first = stage_memory(stage_layer_params + embed, first_stage_act, False, "first", warmup=lay.pp)
+        last = stage_memory(stage_layer_params + head, last_stage_act, True, "last", warmup=1)
+        mem = first if pipeline_rank == 0 else last if pipeline_rank == lay.pp - 1 else \
+            max((first, last), key=lambda x: x.total)
+    if device == "cpu":
+        mem.runtime = float(runtime_bytes)
 
     model_fpt = float(flops_per_token(args, d.seq_len))
     n_ckpt_total = round(frac * L_stage) * lay.pp
@@ -335,8 +361,12 @@ def estimate(cfg: Config, world_size: int = 1, precision: str = "internlm_core",
                          f"the {d.micro_num} micro-batches ({mem.accumulated_gradients / GiB:.1f} GiB beyond the shard)")
     if n_ckpt:
         notes.append(f"activation checkpointing: {n_ckpt} of {L_stage} layers per stage keep only their input")
+    if lay.pp > 1 and mem.gradients == 0 and precision == "internlm_core":
+        notes.append(f"pipeline stage '{mem.stage}' runs all {d.micro_num} forwards before its first backward: its "
+                     f"peak comes before the step's gradients exist (they are not counted)")
     if lay.pp > 1:
-        notes.append(f"pipeline: busiest stage '{mem.stage}', {in_flight:g} micro-batch(es) in flight on the first")
+        which = f"stage {pipeline_rank} ('{mem.stage}')" if pipeline_rank is not None else f"busiest stage '{mem.stage}'"
+        notes.append(f"pipeline: {which}, {in_flight:g} micro-batch(es) in flight on the first")
     comm = fsdp_communication(lay, d.micro_num, grad_reduce, mem.stage, L_stage, layer_params, embed, head,
                               comp if (autocast and lay.dp > 1) else 4) \
         if precision == "internlm_core" else Communication()

@@ -48,7 +48,10 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "bf16/fp16 when the config uses flash-attn, else sdpa with document masks)")
     p.add_argument("--device", choices=["gpu", "cpu"], default="gpu",
                    help="gpu (default): CUDA devices with requirements-gpu.txt; cpu: this machine's CPU path (the "
-                        "blocked attention and what it keeps), as train.py --simulate runs it")
+                        "blocked attention and what it keeps, and the process itself: its resident memory after "
+                        "loading the trainer's modules), as train.py --simulate runs it")
+    p.add_argument("--pipeline-rank", type=int, default=None, metavar="R",
+                   help="memory of pipeline stage R (train.py --simulate's rank 0 runs stage 0) instead of the busiest")
     p.add_argument("--grad-reduce", choices=["micro_batch", "step"], default=None,
                    help="when FSDP reduces gradients (default: the trainer's choice, every micro-batch under sharded "
                         "data parallel; 'step' keeps them unsharded in fp32 between micro-batches)")
@@ -67,8 +70,17 @@ def main(argv=None) -> int:
     if not 0 < args.mfu <= 1:
         raise ConfigError(f"--mfu: expected a fraction in (0, 1], got {args.mfu}")
     cfg = load_config(args.config, args.set, world_size=args.gpus)
+    if args.pipeline_rank is not None and not 0 <= args.pipeline_rank < cfg.parallel.pipeline:
+        raise ConfigError(f"--pipeline-rank: expected 0 <= R < parallel.pipeline ({cfg.parallel.pipeline}), "
+                          f"got {args.pipeline_rank}")
+    runtime = 0
+    if args.device == "cpu":  # a CPU run's peak counts the process itself: measured with what train.py loads
+        from internlm_core.trainer.simulate import process_before_model
+
+        runtime = process_before_model()
     kw = dict(mfu=args.mfu, peak_tflops=args.peak_tflops, attention=args.attention, grad_reduce=args.grad_reduce,
-              device_memory_gib=args.gpu_memory_gib or None, device="cuda" if args.device == "gpu" else "cpu")
+              device_memory_gib=args.gpu_memory_gib or None, device="cuda" if args.device == "gpu" else "cpu",
+              pipeline_rank=args.pipeline_rank, runtime_bytes=runtime)
     e = estimate(cfg, args.gpus, precision=args.precision, **kw)
     other = estimate(cfg, args.gpus, precision="internlm" if args.precision == "internlm_core" else "internlm_core",
                      **kw)

@@ -23,14 +23,23 @@ from ..distributed import init_simulated
 from ..errors import LaunchError
 from ..estimate import GiB, estimate
 from ..utils.logging import get_logger
-from ..utils.memory import track_live_cpu_memory
+from ..utils.memory import process_rss, track_live_cpu_memory
 from .build import build_trainer
 
 logger = get_logger(__name__)
 
 
+def process_before_model() -> int:
+    """Resident bytes of this process with the modules a training run loads, before any model exists: what the
+    peak of a CPU run counts beyond the tensors the estimator adds up (`estimate(runtime_bytes=...)`)."""
+    from ..parallel import fsdp, pipeline  # noqa: F401  (FSDP2, DTensor and pipelining load here, lazily)
+
+    return process_rss()
+
+
 def check_fits(cfg: Config, world_size: int, rank: int, available: Optional[int] = None) -> float:
-    """The estimator's peak bytes of one rank on CPU; LaunchError when that exceeds this machine's free memory."""
+    """The estimator's peak bytes of the busiest rank on CPU, beyond what the process holds already; LaunchError
+    when that exceeds this machine's free memory."""
     need = estimate(cfg, world_size, device="cpu").memory.total
     available = psutil.virtual_memory().available if available is None else available
     if need > 0.9 * available:
@@ -42,8 +51,8 @@ def check_fits(cfg: Config, world_size: int, rank: int, available: Optional[int]
 
 def simulate(cfg: Config, world_size: int, rank: int, run_dir: Path, seed: Optional[int] = None) -> dict:
     """Train `cfg` for `data.total_steps` steps as rank `rank` of `world_size`; returns (and prints) the summary."""
-    predicted = check_fits(cfg, world_size, rank)
-    comm_predicted = estimate(cfg, world_size, device="cpu").communication
+    runtime = process_before_model()  # the estimate of this rank counts the process, as its peak does
+    check_fits(cfg, world_size, rank)
     cfg.ckpt.enable_save_ckpt = False  # nothing to save: the other ranks' shards do not exist
     cfg.ckpt.auto_resume = False
     cfg.ckpt.load_ckpt_info = None
@@ -52,6 +61,10 @@ def simulate(cfg: Config, world_size: int, rank: int, run_dir: Path, seed: Optio
         logger.info("CPU allocator: freed memory goes back to the OS at once (the peak follows live tensors)")
     launch = init_simulated(world_size, rank)
     trainer = build_trainer(cfg, launch, run_dir, seed=seed)
+    # the estimator's figures for this rank's pipeline stage (check_fits took the busiest)
+    predicted_est = estimate(cfg, world_size, device="cpu", pipeline_rank=trainer.dims.pp_rank,
+                             runtime_bytes=runtime)
+    predicted, comm_predicted = predicted_est.memory.total, predicted_est.communication
     # no validation: a forward-only pass needs less memory than a training step, and on a CPU it costs minutes
     trainer.loop = dataclasses.replace(trainer.loop, simulated=True, valid_every=0, validate_at_end=False)
     trainer.train()
@@ -63,7 +76,8 @@ def simulate(cfg: Config, world_size: int, rank: int, run_dir: Path, seed: Optio
     peak = int(memory.peak_record["peak_bytes"]) if memory.peak_record else 0
     summary = {"world_size": world_size, "rank": rank, "layout": trainer.dims.describe(),
                "parameters_held": held, "peak_bytes": peak, "estimated_bytes": int(predicted),
-               "peak_over_estimate": peak / predicted if predicted else None, "steps": trainer.state.batch_count,
+               "peak_over_estimate": peak / predicted if predicted else None,
+               "estimated_gib": {k: getattr(predicted_est.memory, k) / GiB for k in predicted_est.memory.ORDER}, "steps": trainer.state.batch_count,
                # FSDP's collectives in the last step (parallel.CommCounter) and the estimator's figures
                "comm": {k: v for k, v in trainer.last_metrics.items() if k.startswith("comm/")},
                "comm_estimated": dataclasses.asdict(comm_predicted)}
@@ -71,7 +85,8 @@ def simulate(cfg: Config, world_size: int, rank: int, run_dir: Path, seed: Optio
     print(f"simulated rank {rank} of {world_size} ({summary['layout']}), {summary['steps']} steps on this CPU:\n"
           f"  parameters held   {held:,}\n"
           f"  peak memory       {peak / GiB:.2f} GiB (memory_report.json)\n"
-          f"  estimator (cpu)   {predicted / GiB:.2f} GiB\n"
+          f"  estimator (cpu)   {predicted / GiB:.2f} GiB (pipeline stage {trainer.dims.pp_rank}: "
+          f"{predicted_est.memory.stage}; of it {runtime / GiB:.2f} GiB the process before the model)\n"
           f"  peak / estimate   {summary['peak_over_estimate']:.2f}")
     if summary["comm"]:
         c = summary["comm"]
