@@ -111,16 +111,17 @@ class Memory:
     activations: float = 0.0     # tensors saved for backward (all layers, in-flight micro-batches)
     loss_peak: float = 0.0       # transient buffers of the loss backward (logits gradient)
     gemm_copies: float = 0.0     # CPU without native 16-bit GEMM: fp32 operands of the largest linear's backward
+    root_reduce: float = 0.0     # FSDP: the end of backward (the root's gradients reduced) above the peak before it
     runtime: float = 0.0         # CPU: the process itself (Python, torch, the data pipeline), as measured
     stage: str = ""
 
     ORDER = ("parameters", "gradients", "optimizer", "weight_copies", "fsdp_gathered", "accumulated_gradients",
-             "activations", "loss_peak", "gemm_copies", "runtime")
+             "activations", "loss_peak", "gemm_copies", "root_reduce", "runtime")
     LABELS = {"parameters": "parameters", "gradients": "gradients", "optimizer": "optimizer state",
               "weight_copies": "16-bit weight copies", "fsdp_gathered": "FSDP gathered",
               "accumulated_gradients": "accumulated gradients", "activations": "activations",
               "loss_peak": "loss backward peak", "gemm_copies": "fp32 GEMM copies (CPU)",
-              "runtime": "process itself (CPU)"}
+              "root_reduce": "root gradient reduce", "runtime": "process itself (CPU)"}
 
     @property
     def states(self) -> float:
@@ -314,6 +315,20 @@ def estimate(cfg: Config, world_size: int = 1, precision: str = "internlm_core",
         # excess over them adds to the peak
         ffn = gemm_copies(args.ffn_width / lay.tp, h)
         mem.gemm_copies = max(ffn, gemm_copies(V / lay.tp, h) - mem.loss_peak) if with_head else ffn
+        if precision == "internlm_core" and lay.dp_shard > 1:
+            # The root (embedding; final norm and output) is reduced last, when a backward ends: its gathered
+            # weights, the output layer's gradient (from the start of backward), the embedding's (its backward
+            # allocates the gradient and a buffer of the same size) and FSDP's fp32 reduce-scatter copy, while
+            # the stage's blocks are resharded and only the other micro-batches in flight keep activations.
+            # Where that exceeds the peak counted above, the excess adds (measured in the simulated stage).
+            g = comp if fsdp_mp else 4
+            emb_here, head_here = (embed if name in ("all", "first") else 0), (head if with_head else 0)
+            flight = min(warmup, d.micro_num) if lay.pp > 1 else 1
+            at_reduce = (w * (emb_here + head_here) + 2 * g * emb_here + g * head_here + 4 * (emb_here + head_here)
+                         ) / lay.tp + act * (flight - 1) / flight \
+                + (4 * per_tp / lay.dp_shard if forward_first else 0)  # the step's first gradients exist by then
+            before = mem.fsdp_gathered + mem.activations + mem.loss_peak + mem.gemm_copies
+            mem.root_reduce = max(0.0, at_reduce - before) if emb_here or head_here else 0.0
         return mem
 
     stage_layer_params = L_stage * layer_params
