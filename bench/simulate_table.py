@@ -29,7 +29,7 @@ GiB = 2**30
 COMMON = ["data.seq_len=128", "data.micro_bsz=1", "data.micro_num=4", "model.dtype=torch.bfloat16",
           "model.checkpoint=False"]
 CASES = {
-    "7B@8": ("configs/7B.py", 8, ["parallel.zero1=-1", "parallel.tensor=1", "parallel.pipeline=1"]),
+    "7B@8": ("configs/7B.py", 8, ["parallel.zero1=-1", "parallel.tensor=2", "parallel.pipeline=1"]),
     "20B@64": ("configs/20B.py", 64, ["parallel.zero1=-1", "parallel.tensor=4", "parallel.sequence_parallel=True",
                                       "parallel.pipeline=1"]),
     "70B@256": ("configs/70B.py", 256, ["parallel.zero1=-1", "parallel.tensor=8", "parallel.pipeline=4",

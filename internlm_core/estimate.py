@@ -134,9 +134,9 @@ class Memory:
 
 @dataclass
 class Communication:
-    """FSDP's collectives on one rank (of the stage the memory figures are for) per training step, as parallel.CommCounter counts them:
-    the all-gathers' output bytes (unsharded weights in the gathered dtype) and the reduce-scatters' input bytes
-    (unsharded fp32 gradients). 0 without sharded data parallel."""
+    """FSDP's collectives on one rank (of the stage the memory figures are for) per training step, as
+    parallel.CommCounter counts them: the all-gathers' output bytes (unsharded weights in the gathered dtype) and
+    the reduce-scatters' input bytes (unsharded fp32 gradients). 0 without sharded data parallel."""
 
     gathered_bytes: float = 0.0
     reduced_bytes: float = 0.0

@@ -4,13 +4,15 @@
     python tools/estimate.py --config configs/7B.py --gpus 8 --set model.checkpoint=True data.micro_bsz=8
     python tools/estimate.py --config configs/7B.py --gpus 8 --precision internlm --peak-tflops 312 --mfu 0.58
 
-Memory is the peak on the busiest device: parameters, gradients and optimizer state under the layout
-(tensor / pipeline / zero1 sharding), 16-bit weight copies kept by autocast, what FSDP holds gathered, the
-activations of micro_bsz x seq_len tokens (activation checkpointing, pipeline micro-batches in flight), the
-loss's backward, and the gradients FSDP keeps unsharded between micro-batches where it reduces once per step. `--precision internlm_core` (default) counts this code base (fp32 parameters + autocast);
+Memory is the peak on the busiest device (or on a rank of pipeline stage `--pipeline-rank`): parameters,
+gradients and optimizer state under the layout (tensor / pipeline / zero1 sharding), 16-bit weight copies kept
+by autocast, what FSDP holds gathered, the activations of micro_bsz x seq_len tokens (activation checkpointing,
+pipeline micro-batches in flight), the loss's backward, and the gradients FSDP keeps unsharded between
+micro-batches where it reduces once per step; `--device cpu` adds what the CPU path keeps and the process
+itself. `--precision internlm_core` (default) counts this code base (fp32 parameters + autocast);
 `--precision internlm` counts InternLM's bf16 parameters with fp32 master weights (hybrid ZeRO-1). The time
-per step is the model FLOPs of one step at the stated MFU of the stated peak. See
-internlm_core/utils/estimate.py for every term.
+per step is the model FLOPs of one step at the stated MFU of the stated peak. See internlm_core/estimate.py
+for every term.
 """
 
 from __future__ import annotations
@@ -92,9 +94,9 @@ def main(argv=None) -> int:
             "attention": e.attention, "cross_entropy": e.cross_entropy, "grad_reduce": e.grad_reduce,
             "parameters": e.parameters, "model_flops_per_token": e.model_flops_per_token,
             "hardware_flops_per_token": e.hardware_flops_per_token, "tokens_per_step": e.tokens_per_step,
-            "memory_gib": mem, "communication": dataclasses.asdict(e.communication), "step_time_s": e.step_time, "tokens_per_device_per_second":
-                e.tokens_per_device_per_second, "mfu": e.mfu, "peak_tflops": args.peak_tflops,
-            "notes": e.notes}, indent=2))
+            "memory_gib": mem, "stage": e.memory.stage, "communication": dataclasses.asdict(e.communication),
+            "step_time_s": e.step_time, "tokens_per_device_per_second": e.tokens_per_device_per_second,
+            "mfu": e.mfu, "peak_tflops": args.peak_tflops, "notes": e.notes}, indent=2))
         return 0
     print(f"{args.config} on {args.gpus} device(s)")
     print(format_estimate(e, other))

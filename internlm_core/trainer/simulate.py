@@ -77,7 +77,8 @@ def simulate(cfg: Config, world_size: int, rank: int, run_dir: Path, seed: Optio
     summary = {"world_size": world_size, "rank": rank, "layout": trainer.dims.describe(),
                "parameters_held": held, "peak_bytes": peak, "estimated_bytes": int(predicted),
                "peak_over_estimate": peak / predicted if predicted else None,
-               "estimated_gib": {k: getattr(predicted_est.memory, k) / GiB for k in predicted_est.memory.ORDER}, "steps": trainer.state.batch_count,
+               "estimated_gib": {k: getattr(predicted_est.memory, k) / GiB for k in predicted_est.memory.ORDER},
+               "steps": trainer.state.batch_count,
                # FSDP's collectives in the last step (parallel.CommCounter) and the estimator's figures
                "comm": {k: v for k, v in trainer.last_metrics.items() if k.startswith("comm/")},
                "comm_estimated": dataclasses.asdict(comm_predicted)}

@@ -153,6 +153,30 @@ def test_layout_divides_what_it_shards():
     assert tp_only.weight_copies > 0 and tp_ck.weight_copies < 0.1 * tp_only.weight_copies
 
 
+def test_pipeline_stages_by_rank():
+    """--pipeline-rank: the first stage holds the embedding and the most micro-batches in flight, a middle stage
+    neither; a stage that runs every forward before its first backward peaks before the step's gradients exist
+    (and before FSDP keeps any reduce-scatter input); the process itself counts on CPU only."""
+    sets = ["parallel.zero1=-1", "parallel.pipeline=4", "model.dtype=torch.bfloat16"]
+    cfg4 = load_config("configs/7B.py", sets + ["data.micro_num=4"])
+    cfg8 = load_config("configs/7B.py", sets + ["data.micro_num=8"])
+    first4, mid4, last4 = (estimate(cfg4, 16, pipeline_rank=r).memory for r in (0, 1, 3))
+    assert (first4.stage, mid4.stage, last4.stage) == ("first", "middle", "last")
+    assert first4.gradients == 0 and first4.parameters > mid4.parameters  # 4 forwards first; the embedding
+    # stage 1 runs 3 forwards before its first backward, the 4th after it: its peak has gradients, as the last's
+    assert mid4.gradients == mid4.parameters and last4.gradients == last4.parameters
+    assert mid4.activations == pytest.approx(first4.activations * 3 / 4, rel=0.01)
+    first8 = estimate(cfg8, 16, pipeline_rank=0).memory
+    assert first8.gradients == first8.parameters
+    assert first8.fsdp_gathered - first4.fsdp_gathered == pytest.approx(4 * 103168 * 4096 / 1, rel=1e-6)
+    busiest = estimate(cfg4, 16).memory
+    assert busiest.total == max(first4.total, last4.total)
+    assert estimate(cfg4, 16, runtime_bytes=2**30).memory.runtime == 0  # GPUs: the allocator's peak only
+    assert estimate(cfg4, 16, device="cpu", runtime_bytes=2**30).memory.runtime == 2**30
+    with pytest.raises(ValueError, match="pipeline_rank 4: expected 0 <= rank < 4"):
+        estimate(cfg4, 16, pipeline_rank=4)
+
+
 def test_estimate_cli(tmp_path):
     p = run_script("tools/estimate.py", ["--config", "configs/7B.py", "--gpus", "64", "--set",
                         "parallel.zero1=8", "--mfu", "0.4"], timeout=120)
@@ -169,6 +193,9 @@ def test_estimate_cli(tmp_path):
     assert p.returncode == 2
     assert p.stderr.strip() == ("error: configs/7B.py: parallel.zero1 (8) must divide the data-parallel size "
                                 "(12 = world size 12 / (tensor 1 * pipeline 1))")
+    p = run_script("tools/estimate.py", ["--config", "configs/7B.py", "--gpus", "8", "--pipeline-rank", "1"])
+    assert p.returncode == 2
+    assert p.stderr.strip() == "error: --pipeline-rank: expected 0 <= R < parallel.pipeline (1), got 1"
 
 
 def test_dry_run_prints_the_estimate():
