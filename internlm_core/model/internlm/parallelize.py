@@ -29,7 +29,7 @@ from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInp
 from torch.distributed.tensor.parallel.style import ParallelStyle
 
 from ...errors import ConfigError
-from ..parallel_styles import ReplicateParallel, stage_layers
+from ..parallel_styles import ReplicateParallel, VocabParallelEmbedding, stage_layers
 from ..spec import ParallelPlan, StageShapes, TensorParallelOptions
 
 
@@ -67,7 +67,7 @@ def root_plan(model: nn.Module, sequence_parallel: bool, parallel_output: bool,
     stream = Shard(1) if sequence_parallel else Replicate()
     plan: dict[str, ParallelStyle] = {}
     if model.tok_embeddings is not None:
-        plan["tok_embeddings"] = RowwiseParallel(input_layouts=Replicate(), output_layouts=stream)
+        plan["tok_embeddings"] = VocabParallelEmbedding(stream)
     if model.norm is not None:
         plan["norm"] = _norm_style(sequence_parallel)
     if model.output is not None:
