@@ -297,9 +297,13 @@ def estimate(cfg: Config, world_size: int = 1, precision: str = "internlm_core",
                 if lay.pp > 1:
                     # blocks stay gathered between micro-batches; the schedule's backwards are not the last
                     # (set_is_last_backward(False)), so FSDP keeps the fp32 reduce-scatter input of the unit it
-                    # reduced last (the root, or the stage's first block) until the next micro-batch's backward
+                    # reduced last (the root, or the stage's first block) until the next micro-batch's backward.
+                    # In 1F1B's steady state a forward gathers a block again while the other micro-batches are
+                    # in flight: the all-gather's output and the unsharded parameters it is copied into coexist
+                    # (a second copy of the unit). A stage that runs every forward first has no such moment.
                     kept_input = 0 if forward_first else 4 * (root or layer_params)
-                    gathered = w * (L_stage * layer_params + root) + kept_input
+                    regather = 0 if forward_first else w * max(layer_params, root)
+                    gathered = w * (L_stage * layer_params + root) + kept_input + regather
                 else:  # the running and the prefetched block, the root, one block's unsharded fp32 gradient
                     gathered = w * (2 * layer_params + root) + 4 * layer_params
                 mem.fsdp_gathered = gathered / lay.tp
@@ -317,15 +321,14 @@ def estimate(cfg: Config, world_size: int = 1, precision: str = "internlm_core",
         mem.gemm_copies = max(ffn, gemm_copies(V / lay.tp, h) - mem.loss_peak) if with_head else ffn
         if precision == "internlm_core" and lay.dp_shard > 1:
             # The root (embedding; final norm and output) is reduced last, when a backward ends: its gathered
-            # weights, the output layer's gradient (from the start of backward), the embedding's (its backward
-            # allocates the gradient and a buffer of the same size) and FSDP's fp32 reduce-scatter copy, while
-            # the stage's blocks are resharded and only the other micro-batches in flight keep activations.
-            # Where that exceeds the peak counted above, the excess adds (measured in the simulated stage).
+            # weights, the output layer's and the embedding's gradients (the output's from the start of
+            # backward) and FSDP's fp32 reduce-scatter copy, while the stage's blocks are resharded and only the
+            # other micro-batches in flight keep activations. Where that exceeds the peak counted above, the
+            # excess adds (measured in the simulated stage, tests/e2e/test_simulate.py).
             g = comp if fsdp_mp else 4
             emb_here, head_here = (embed if name in ("all", "first") else 0), (head if with_head else 0)
             flight = min(warmup, d.micro_num) if lay.pp > 1 else 1
-            at_reduce = (w * (emb_here + head_here) + 2 * g * emb_here + g * head_here + 4 * (emb_here + head_here)
-                         ) / lay.tp + act * (flight - 1) / flight \
+            at_reduce = (w + g + 4) * (emb_here + head_here) / lay.tp + act * (flight - 1) / flight \
                 + (4 * per_tp / lay.dp_shard if forward_first else 0)  # the step's first gradients exist by then
             before = mem.fsdp_gathered + mem.activations + mem.loss_peak + mem.gemm_copies
             mem.root_reduce = max(0.0, at_reduce - before) if emb_here or head_here else 0.0
