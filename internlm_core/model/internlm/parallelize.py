@@ -2,7 +2,8 @@
 
 Tensor parallel per block (Megatron's layout, InternLM's names): q/k/v and the FFN's w1/w2 column-parallel
 (each rank computes its own heads / FFN channels), o and w3 row-parallel (partial sums reduced). The embedding
-is vocabulary-parallel (rows sharded, the lookup masked and reduced) and the output column-parallel; with
+is vocabulary-parallel (rows sharded, the lookup masked and reduced, each rank differentiating its own rows:
+parallel_styles.VocabParallelEmbedding) and the output column-parallel; with
 `model.parallel_output` its logits stay vocabulary-sharded (a DTensor, Shard(-1)) and the loss runs under
 `torch.distributed.tensor.parallel.loss_parallel` without gathering them.
 
