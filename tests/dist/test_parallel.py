@@ -288,6 +288,12 @@ def runs(tmp_path_factory):
 
     def get(name: str) -> list[dict]:
         return [torch.load(root / name / f"rank{r}.pt", weights_only=False) for r in range(job(name)[0])]
+    if os.environ.get("PARALLEL_LOSSES"):
+        # PARALLEL_LOSSES=file.json: every job's per-step losses and gradient norms, exactly as logged (a refactor
+        # compares them bitwise with the same file written before it)
+        jobs = [*REFERENCES, *LAYOUTS, *RESUMES]
+        Path(os.environ["PARALLEL_LOSSES"]).write_text(json.dumps(
+            {n: {k: get(n)[0][k] for k in ("losses", "grad_norm")} for n in jobs}, indent=1))
     return get
 
 
