@@ -9,10 +9,10 @@ from typing import Any, Iterable, Optional
 
 import torch
 
+from ..config.ckpt_names import CONTENTS  # the config checks load_ckpt_info.content against the same names
 from ..errors import CheckpointError
 from .collectives import Collectives
 
-CONTENTS = ("model", "sampler", "optimizer", "scheduler")
 SCOPES = ("global", "dp_rank", "rank")
 _RESERVED = ("model", "optimizer")
 

@@ -15,6 +15,7 @@ from typing import Any, Callable, Optional
 import torch
 import torch.distributed.checkpoint as dcp
 
+from ..config.ckpt_names import FOREIGN_CKPT_TYPES
 from ..errors import CheckpointError
 from ..utils.logging import get_logger
 from .catalog import CheckpointRef
@@ -29,12 +30,16 @@ logger = get_logger(__name__)
 
 # load_ckpt_info.ckpt_type → fn(model, local folder, model_type) -> names loaded: loads the weights of that format
 # into the built, parallelized model through the family's adapter (model only: the optimizer and schedules start
-# fresh). "internlm_core" is ours, loaded by the manager.
+# fresh). "internlm_core" is ours, loaded by the manager. The types are the config's (config/ckpt_names.py), which
+# validates ckpt_type when the config is loaded: one loader for each of them, checked at import.
 FOREIGN_LOADERS: dict[str, Callable[[torch.nn.Module, Path, Optional[str]], list]] = {
     "hf": load_hf,
     "hf_llama": load_hf,
     "internlm": load_internlm,
 }
+if set(FOREIGN_LOADERS) != set(FOREIGN_CKPT_TYPES):
+    raise ImportError(f"checkpoint/restore.py FOREIGN_LOADERS {sorted(FOREIGN_LOADERS)} must have one loader for each "
+                      f"foreign ckpt_type of config/ckpt_names.py {sorted(FOREIGN_CKPT_TYPES)}")
 
 
 @dataclass

@@ -12,10 +12,13 @@ this framework does not have (MoE, 2D sequence parallel, dropout): then one Conf
 from __future__ import annotations
 
 import copy
+import dataclasses
+import typing
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
 from ..errors import ConfigError
+from .schema import Config
 
 # InternEvo's parallel.tensor modes and InternLM develop's spellings of them → (sequence parallel, what it means)
 _TENSOR_MODES = {
@@ -49,8 +52,11 @@ class CompatNotes:
         return out
 
 
-# ---- compatibility-only keys: (section, key) -> why it has no effect (None: a plain "no effect") -------------------
-# A value predicate refuses values that would change the model or the training (then the message is the error).
+# ---- compatibility-only keys: (section, key) -> why it has no effect ------------------------------------------------
+# The one list of them (InternLM's spelling; dotted: inside a dict-valued key). A value predicate refuses values that
+# would change the model or the training (then the message is the error). Most are removed; the schema keeps the
+# values of the fields it marks `compat` (`_KEPT`). The sub-keys of the parallel dict forms (zero1.fsdp, tensor.*, ...)
+# are also the only ones those forms accept besides the keys _parallel translates (`_PARALLEL_FORMS`).
 Rule = tuple[Optional[Callable[[Any], bool]], str]
 
 _COMPAT: dict[tuple[str, str], Rule] = {
@@ -86,8 +92,8 @@ _COMPAT: dict[tuple[str, str], Rule] = {
     ("model", "checkpoint_fraction"): (None, "model.checkpoint takes the fraction"),
     ("parallel", "zero1.fsdp"): (None, "sharding is always FSDP2 when parallel.zero1 != 1"),
     ("parallel", "pipeline.interleaved_overlap"): (None, "torch.distributed.pipelining schedules communication"),
-    ("parallel", "pipeline.zero_bubble"): (None, "the schedule is 1F1B (interleaved with model.num_chunks > 1)"),
     ("parallel", "pipeline.mode"): (None, "the schedule is 1F1B (interleaved with model.num_chunks > 1)"),
+    ("parallel", "pipeline.zero_bubble"): (None, "the schedule is 1F1B (interleaved with model.num_chunks > 1)"),
     ("parallel", "tensor.overlap"): (None, "communication overlap is the compiler's and NCCL's"),
     ("parallel", "tensor.intern_overlap"): (None, "communication overlap is the compiler's and NCCL's"),
     ("parallel", "tensor.memory_pool"): (None, "the caching allocator"),
@@ -123,15 +129,44 @@ _COMPAT: dict[tuple[str, str], Rule] = {
     ("", "resume_tb_folder"): (None, "a resumed run writes on in its checkpoint's TensorBoard folder"),
 }
 
-# the schema fields that exist only to keep InternLM's keys (the values are accepted, nothing uses them)
-_SCHEMA_COMPAT = {("model", "embed_split_hidden"), ("parallel", "zero1_fsdp"), ("parallel", "interleaved_overlap"),
-                  ("hybrid_zero_optimizer", "overlap_sync_grad"), ("hybrid_zero_optimizer", "overlap_sync_param"),
-                  ("hybrid_zero_optimizer", "reduce_bucket_size"), ("lr_scheduler", "last_epoch"),
-                  ("monitor", "alert.light_monitor_address")}
+
+def _schema_kept() -> dict[tuple[str, str], tuple[str, bool]]:
+    """{(section, InternLM key): (the field's path in its section, whether it is a bool)} of the schema's fields
+    marked `compat`: the compatibility-only keys whose values the schema keeps."""
+    kept: dict[tuple[str, str], tuple[str, bool]] = {}
+
+    def walk(cls: type, section: str, prefix: str) -> None:
+        hints = typing.get_type_hints(cls)
+        for fl in dataclasses.fields(cls):
+            tp, path = hints[fl.name], prefix + fl.name
+            if dataclasses.is_dataclass(tp):  # a section (top level), or a sub-section inside one (monitor.alert)
+                if section:
+                    walk(tp, section, path + ".")
+                else:
+                    walk(tp, fl.name, "")
+            elif fl.metadata.get("compat"):
+                mark = fl.metadata["compat"]
+                kept[(section, path if mark is True else mark)] = (path, tp is bool)
+    walk(Config, "", "")
+    return kept
+
+
+_KEPT = _schema_kept()
+if not set(_KEPT) <= set(_COMPAT):  # a key the schema keeps is checked and noted by its rule, like the others
+    raise RuntimeError(f"schema fields marked compat without a rule in config/compat.py _COMPAT: "
+                       f"{sorted(set(_KEPT) - set(_COMPAT))}")
 
 
 def _key(section: str, key: str) -> str:
     return f"{section}.{key}" if section else key
+
+
+def _note(section: str, key: str, value: Any, notes: CompatNotes) -> None:
+    """Note a compatibility-only key; refuse a value that would change the model or the training (its rule)."""
+    ok, why = _COMPAT[(section, key)]
+    if ok is not None and not ok(value):
+        raise ConfigError(f"{_key(section, key)}={value!r}: {why}")
+    notes.compat.append(_key(section, key))
 
 
 def _take(section_dict: dict, section: str, key: str, notes: CompatNotes) -> None:
@@ -145,13 +180,16 @@ def _take(section_dict: dict, section: str, key: str, notes: CompatNotes) -> Non
             return
     if path[-1] not in node:
         return
-    value = node[path[-1]]
-    ok, why = _COMPAT[(section, key)]
-    if ok is not None and not ok(value):
-        raise ConfigError(f"{_key(section, key)}={value!r}: {why}")
-    notes.compat.append(_key(section, key))
-    if (section, key) not in _SCHEMA_COMPAT:
+    _note(section, key, node[path[-1]], notes)
+    if (section, key) not in _KEPT:
         del node[path[-1]]
+
+
+def _take_section(section_dict: dict, section: str, notes: CompatNotes) -> None:
+    """`_take` every compatibility-only key of `section` that `section_dict` holds, in _COMPAT's order."""
+    for (s, key) in _COMPAT:
+        if s == section:
+            _take(section_dict, section, key, notes)
 
 
 def _is_moe(raw: dict) -> Optional[str]:
@@ -172,88 +210,102 @@ def _is_moe(raw: dict) -> Optional[str]:
     return None
 
 
+# InternLM's dict forms of parallel keys → the sub-keys _parallel translates (as the error message lists them); the
+# other sub-keys each form accepts are its compatibility-only keys in _COMPAT ("<form>.<sub-key>")
+_PARALLEL_FORMS = {"zero1": ("size",), "pipeline": ("size",), "tensor": ("size", "mode (mtp, msp, fsp, isp)", "sp"),
+                   "weight": ("size",)}
+
+
+def _sub_keys(form: str) -> list[str]:
+    """The compatibility-only sub-keys of InternLM's parallel.<form>=dict(...), from _COMPAT."""
+    return [key[len(form) + 1:] for (section, key) in _COMPAT if section == "parallel" and key.startswith(form + ".")]
+
+
+def _unpack(form: str, value: Any) -> dict:
+    """InternLM's parallel.<form>=dict(...) as a new dict, its keys checked (a typo is an error, not ignored)."""
+    value = dict(value)
+    unknown = sorted(set(value) - {label.split()[0] for label in _PARALLEL_FORMS[form]} - set(_sub_keys(form)))
+    if unknown:
+        raise ConfigError(f"parallel.{form}: unknown key(s) {unknown}; expected "
+                          f"{', '.join((*_PARALLEL_FORMS[form], *_sub_keys(form)))}")
+    return value
+
+
+def _take_sub_keys(par: dict, form: str, value: dict, notes: CompatNotes) -> None:
+    """Note the compatibility-only sub-keys of parallel.<form>=dict(...); the schema keeps some of them under a flat
+    name (zero1.fsdp → parallel.zero1_fsdp: the fields it marks compat="zero1.fsdp"), truthy as InternLM reads them."""
+    for sub in _sub_keys(form):
+        if sub in value:
+            _note("parallel", f"{form}.{sub}", value[sub], notes)
+            if ("parallel", f"{form}.{sub}") in _KEPT:
+                home, is_bool = _KEPT[("parallel", f"{form}.{sub}")]
+                par[home] = bool(value[sub]) if is_bool else value[sub]
+
+
 def _parallel(raw: dict, notes: CompatNotes) -> None:
+    """The parallel section's dict forms (InternLM's zero1 and pipeline, InternEvo's tensor and weight) → our flat
+    keys; then its compatibility-only keys (experts, 2D sequence parallel)."""
     par = raw.get("parallel")
     if not isinstance(par, dict):
         return
     par = raw["parallel"] = dict(par)
-    z = par.get("zero1")
-    if isinstance(z, dict):
-        z = dict(z)
-        unknown = sorted(set(z) - {"size", "fsdp"})
-        if unknown:
-            raise ConfigError(f"parallel.zero1: unknown key(s) {unknown}; expected size, fsdp")
-        par["zero1"] = z.get("size", -1)
-        if "fsdp" in z:
-            notes.compat.append("parallel.zero1.fsdp")
-            par["zero1_fsdp"] = bool(z["fsdp"])
-    p = par.get("pipeline")
-    if isinstance(p, dict):
-        p = dict(p)
-        unknown = sorted(set(p) - {"size", "interleaved_overlap", "mode", "zero_bubble"})
-        if unknown:
-            raise ConfigError(f"parallel.pipeline: unknown key(s) {unknown}; expected size, interleaved_overlap, mode")
-        par["pipeline"] = p.get("size", 1)
-        if "interleaved_overlap" in p:
-            notes.compat.append("parallel.pipeline.interleaved_overlap")
-            par["interleaved_overlap"] = bool(p["interleaved_overlap"])
-        for k in ("mode", "zero_bubble"):
-            if k in p:
-                notes.compat.append(f"parallel.pipeline.{k}")
-    t = par.get("tensor")
-    tensor_mode = None
-    if isinstance(t, dict):
-        t = dict(t)
-        unknown = sorted(set(t) - {"size", "mode", "sp", "overlap", "intern_overlap", "memory_pool"})
-        if unknown:
-            raise ConfigError(f"parallel.tensor: unknown key(s) {unknown}; expected size, mode (mtp, msp, fsp, isp), "
-                              f"overlap, sp, intern_overlap, memory_pool")
-        size = t.get("size", 1)
-        mode = t.get("mode")
-        if mode is None and "sp" in t:
-            mode = t["sp"]
-        mode = "mtp" if mode is None else str(mode)
-        if mode not in _TENSOR_MODES:
-            raise ConfigError(f"parallel.tensor.mode: expected one of mtp, msp, fsp, isp (or origin_tp, fstp), "
-                              f"got {mode!r}")
-        tensor_mode = _SP_SPELLINGS.get(mode, mode)
-        par["tensor"] = size
-        for k in ("overlap", "intern_overlap", "memory_pool"):
-            if k in t:
-                notes.compat.append(f"parallel.tensor.{k}")
-        if _TENSOR_MODES[mode] and isinstance(size, int) and size > 1:
-            par["sequence_parallel"] = True
-        if mode in _ISP:
-            notes.mapped.append(f"parallel.tensor.mode={mode!r} (InternEvo's intern sequence parallel, size {size}) "
-                                f"runs as tensor parallel {size} with sequence parallel: the same {size} ranks share "
-                                f"each sample and hold 1/{size} of every weight; only the communication differs")
-        elif mode != "mtp":
-            notes.mapped.append(f"parallel.tensor.mode={mode!r} -> tensor parallel {size}"
-                                + (" with sequence parallel" if par.get("sequence_parallel") else ""))
+    for form, default_size in (("zero1", -1), ("pipeline", 1)):
+        if isinstance(par.get(form), dict):
+            value = _unpack(form, par[form])
+            par[form] = value.get("size", default_size)
+            _take_sub_keys(par, form, value, notes)
+    tensor_mode = _tensor(par, notes)
+    _weight(par, tensor_mode, notes)
+    _take_section(par, "parallel", notes)  # the dotted ones are gone with their dicts: what is left, top-level keys
+
+
+def _tensor(par: dict, notes: CompatNotes) -> Optional[str]:
+    """parallel.tensor=dict(size, mode) (InternEvo; `sp` on InternLM's develop branch) → tensor parallel of that size,
+    with sequence parallel for the modes that shard activations; the mode in InternEvo's spelling (None: no dict)."""
+    if not isinstance(par.get("tensor"), dict):
+        return None
+    t = _unpack("tensor", par["tensor"])
+    size = t.get("size", 1)
+    mode = t.get("mode")
+    if mode is None and "sp" in t:
+        mode = t["sp"]
+    mode = "mtp" if mode is None else str(mode)
+    if mode not in _TENSOR_MODES:
+        raise ConfigError(f"parallel.tensor.mode: expected one of mtp, msp, fsp, isp (or origin_tp, fstp), "
+                          f"got {mode!r}")
+    par["tensor"] = size
+    _take_sub_keys(par, "tensor", t, notes)
+    if _TENSOR_MODES[mode] and isinstance(size, int) and size > 1:
+        par["sequence_parallel"] = True
+    if mode in _ISP:
+        notes.mapped.append(f"parallel.tensor.mode={mode!r} (InternEvo's intern sequence parallel, size {size}) "
+                            f"runs as tensor parallel {size} with sequence parallel: the same {size} ranks share "
+                            f"each sample and hold 1/{size} of every weight; only the communication differs")
+    elif mode != "mtp":
+        notes.mapped.append(f"parallel.tensor.mode={mode!r} -> tensor parallel {size}"
+                            + (" with sequence parallel" if par.get("sequence_parallel") else ""))
+    return _SP_SPELLINGS.get(mode, mode)
+
+
+def _weight(par: dict, tensor_mode: Optional[str], notes: CompatNotes) -> None:
+    """InternEvo's parallel.weight (weight parallel, only with the isp tensor mode): what FSDP2 does over the
+    data-parallel ranks, so it is removed; a size above 1 is noted as that mapping."""
     w = par.pop("weight", None)
-    if w is not None:
-        w = {"size": w} if isinstance(w, int) else dict(w)
-        unknown = sorted(set(w) - {"size", "overlap", "memory_pool", "launch_allgather_before",
-                                   "forward_overlap_per"})
-        if unknown:
-            raise ConfigError(f"parallel.weight: unknown key(s) {unknown}; expected size, overlap, memory_pool")
-        wsize = w.get("size", 1)
-        if isinstance(wsize, int) and wsize > 1:
-            if tensor_mode != "isp":
-                raise ConfigError(f"parallel.weight.size={wsize}: weight parallel needs parallel.tensor.mode='isp' "
-                                  f"(InternEvo's rule); to shard parameters use parallel.zero1 (FSDP over data "
-                                  f"parallel)")
-            notes.mapped.append(f"parallel.weight.size={wsize} (weight parallel: each parameter sharded and "
-                                f"gathered per layer) is what FSDP2 does here, over the data-parallel ranks "
-                                f"(parallel.zero1={par.get('zero1', -1)})")
-        else:
-            notes.compat.append("parallel.weight")
-        for k in ("overlap", "memory_pool", "launch_allgather_before", "forward_overlap_per"):
-            if k in w:
-                notes.compat.append(f"parallel.weight.{k}")
-    for key in ("expert", "expert_weight", "expert_zero1", "sequence_2D"):
-        if key in par:
-            _take(par, "parallel", key, notes)
+    if w is None:
+        return
+    w = _unpack("weight", {"size": w} if isinstance(w, int) else w)
+    wsize = w.get("size", 1)
+    if isinstance(wsize, int) and wsize > 1:
+        if tensor_mode != "isp":
+            raise ConfigError(f"parallel.weight.size={wsize}: weight parallel needs parallel.tensor.mode='isp' "
+                              f"(InternEvo's rule); to shard parameters use parallel.zero1 (FSDP over data "
+                              f"parallel)")
+        notes.mapped.append(f"parallel.weight.size={wsize} (weight parallel: each parameter sharded and "
+                            f"gathered per layer) is what FSDP2 does here, over the data-parallel ranks "
+                            f"(parallel.zero1={par.get('zero1', -1)})")
+    else:
+        notes.compat.append("parallel.weight")
+    _take_sub_keys(par, "weight", w, notes)
 
 
 def _model(raw: dict, notes: CompatNotes) -> None:
@@ -273,9 +325,7 @@ def _model(raw: dict, notes: CompatNotes) -> None:
         if f not in (None, 1, 1.0):
             raise ConfigError(f"model.rope_scaling_factor={f!r}: rotary scaling is not implemented (1.0 only)")
         notes.compat.append("model.rope_scaling_factor")
-    for (section, key) in list(_COMPAT):
-        if section == "model" and key in model:
-            _take(model, "model", key, notes)
+    _take_section(model, "model", notes)
 
 
 def _ckpt(raw: dict, notes: CompatNotes) -> None:
@@ -316,9 +366,7 @@ def _ckpt(raw: dict, notes: CompatNotes) -> None:
     if "auto_resume" not in ckpt and given is not None:
         ckpt["auto_resume"] = not bool(given)
         notes.mapped.append(f"legacy ckpt.load_given_ckpt={given} -> auto_resume={not bool(given)}")
-    for key in ("snapshot_ckpt_folder", "universal_ckpt"):
-        if key in ckpt:
-            _take(ckpt, "ckpt", key, notes)
+    _take_section(ckpt, "ckpt", notes)
 
 
 def _monitor(raw: dict, notes: CompatNotes) -> None:
@@ -337,8 +385,8 @@ def _monitor(raw: dict, notes: CompatNotes) -> None:
         return
     mon = raw["monitor"] = dict(mon)
     if isinstance(mon.get("alert"), dict):
-        mon["alert"] = dict(mon["alert"])
-        _take(mon, "monitor", "alert.light_monitor_address", notes)
+        mon["alert"] = dict(mon["alert"])  # a copy: a compatibility key inside it may be removed
+    _take_section(mon, "monitor", notes)
     tb = mon.get("tensorboard")
     if isinstance(tb, dict):
         unknown = sorted(set(tb) - {"queue_max_length", "enable"})
@@ -376,11 +424,9 @@ def normalize(raw: dict) -> tuple[dict, CompatNotes]:
         gs = dict(gs)
         gs.update(gs.pop("fp16"))
         raw["grad_scaler"] = gs
-    for (section, key) in _COMPAT:
-        if section in ("hybrid_zero_optimizer", "lr_scheduler", "loss", "data") and isinstance(raw.get(section), dict):
-            if key in raw[section]:
-                raw[section] = dict(raw[section])
-                _take(raw[section], section, key, notes)
-        elif section == "" and key in raw:
-            _take(raw, "", key, notes)
+    for section in ("hybrid_zero_optimizer", "lr_scheduler", "loss", "data"):
+        if isinstance(raw.get(section), dict):
+            raw[section] = dict(raw[section])
+            _take_section(raw[section], section, notes)
+    _take_section(raw, "", notes)
     return raw, notes

@@ -17,8 +17,9 @@ import yaml
 
 from ..errors import ConfigError
 from ..model.spec import get_model_spec
+from .ckpt_names import CKPT_TYPE_ALIASES, CKPT_TYPES, CONTENTS
 from .compat import CompatNotes, normalize
-from .schema import Config, LoadCkptInfo
+from .schema import Config, DataConfig, LoadCkptInfo
 
 _DTYPES = {
     "torch.float32": "torch.float32", "float32": "torch.float32", "fp32": "torch.float32", "torch.float": "torch.float32",
@@ -26,7 +27,6 @@ _DTYPES = {
     "torch.bfloat16": "torch.bfloat16", "bfloat16": "torch.bfloat16", "bf16": "torch.bfloat16",
     "torch.float16": "torch.float16", "float16": "torch.float16", "fp16": "torch.float16", "torch.half": "torch.float16",
 }
-_CONTENTS = ("model", "sampler", "optimizer", "scheduler", "all")
 
 
 def read_config_file(path: str | Path) -> dict:
@@ -196,6 +196,7 @@ def build_config(raw: dict, source: str = "config", world_size: int | None = Non
     cfg.compat_notes = notes  # type: ignore[attr-defined]  # not a config key: logged at start (compat_lines)
     try:
         fill_defaults(cfg)
+        fit_zero1_to_world(cfg, world_size)
         check_consistency(cfg, world_size)
     except ConfigError as e:
         raise ConfigError(f"{source}: {e}") from None
@@ -241,11 +242,6 @@ def fill_defaults(cfg: Config) -> None:
         info.ckpt_type = CKPT_TYPE_ALIASES.get(kind, kind)
 
 
-# load_ckpt_info.ckpt_type: ours, InternLM's own folders, Hugging Face folders (Llama, InternLM, InternLM2)
-CKPT_TYPES = ("internlm_core", "internlm", "hf", "hf_llama")
-CKPT_TYPE_ALIASES = {"internevo": "internlm", "normal": "internlm", "hf_model": "hf", "hf_internlm": "hf",
-                     "hf_internlm2": "hf"}
-
 
 def check_rampup(spec: str, micro_num: int, pipeline: int, data_type: str = "tokenized") -> None:
     """InternLM's rampup_batch_size "start increment every": micro-batches per step start at `start` and grow by
@@ -265,8 +261,34 @@ def check_rampup(spec: str, micro_num: int, pipeline: int, data_type: str = "tok
         raise ConfigError("data.rampup_batch_size: not supported with data.type='streaming'")
 
 
+def fit_zero1_to_world(cfg: Config, world_size: int | None) -> None:
+    """Lower parallel.zero1 to the data-parallel size when it is larger (InternLM's 7B config says zero1=8: on fewer
+    data-parallel ranks it shards over all of them), with a note in the compat log line. A normalization, run before
+    the checks so that they only check; a layout the world size cannot hold is left for them to report."""
+    p = cfg.parallel
+    if world_size is None or p.tensor < 1 or p.pipeline < 1 or world_size % (p.tensor * p.pipeline):
+        return
+    dp = world_size // (p.tensor * p.pipeline)
+    if p.zero1 > dp:
+        notes = getattr(cfg, "compat_notes", None)
+        if notes is not None:
+            notes.mapped.append(f"parallel.zero1={p.zero1} > data-parallel size {dp}: sharding over all {dp}")
+        p.zero1 = dp
+
+
 def check_consistency(cfg: Config, world_size: int | None = None) -> None:
-    """Values that are each valid but wrong together."""
+    """Values that are each valid but wrong together (checks only: `fill_defaults` and `fit_zero1_to_world` have
+    normalized the config already)."""
+    _check_positive(cfg)
+    _check_data(cfg.data, cfg.parallel.pipeline)
+    _check_choices(cfg)
+    _check_ckpt(cfg)
+    _check_layout(cfg, world_size)
+    get_model_spec(cfg.model_type).validate(cfg)  # the family's own rules (heads, norms, its parallel plan)
+
+
+def _check_positive(cfg: Config) -> None:
+    """Counts and sizes that must be at least 1 (checked first: the other checks divide by some of them)."""
     d, m, p = cfg.data, cfg.model, cfg.parallel
     positive = {"data.seq_len": d.seq_len, "data.micro_num": d.micro_num, "data.micro_bsz": d.micro_bsz,
                 "data.total_steps": d.total_steps, "model.num_layers": m.num_layers, "model.hidden_size": m.hidden_size,
@@ -276,17 +298,15 @@ def check_consistency(cfg: Config, world_size: int | None = None) -> None:
     for key, v in positive.items():
         if v < 1:
             raise ConfigError(f"{key}: expected a positive integer, got {v}")
+
+
+def _check_data(d: DataConfig, pipeline: int) -> None:
+    """The data section: the packed row's length, the ramp-up, the kind of data and what it needs, the mixture."""
     if d.packed_length != d.seq_len * d.micro_bsz:
         raise ConfigError(f"data.packed_length ({d.packed_length}) must equal data.seq_len * data.micro_bsz "
                           f"({d.seq_len} * {d.micro_bsz} = {d.seq_len * d.micro_bsz})")
     if d.rampup_batch_size:
-        check_rampup(d.rampup_batch_size, d.micro_num, p.pipeline, d.type)
-    if m.dtype not in set(_DTYPES.values()):
-        raise ConfigError(f"model.dtype: expected one of torch.float32, torch.tf32, torch.bfloat16, torch.float16, "
-                          f"got {m.dtype!r}")
-    ck = m.checkpoint
-    if not isinstance(ck, bool) and not 0.0 <= float(ck) <= 1.0:
-        raise ConfigError(f"model.checkpoint: expected True, False or a fraction in [0, 1], got {ck!r}")
+        check_rampup(d.rampup_batch_size, d.micro_num, pipeline, d.type)
     if d.dummy_distribution not in ("uniform", "zipf"):
         raise ConfigError(f"data.dummy_distribution: expected 'uniform' or 'zipf', got {d.dummy_distribution!r}")
     if d.dataset_type_mode not in ("subfolder", "internlm"):
@@ -302,19 +322,35 @@ def check_consistency(cfg: Config, world_size: int | None = None) -> None:
         for k, v in d.dataset_weights.items():
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0 or v == float("inf"):
                 raise ConfigError(f"data.dataset_weights[{k!r}]: expected a weight > 0, got {v!r}")
+
+
+def _check_choices(cfg: Config) -> None:
+    """Keys outside the data section that take one of a few values, or a fraction."""
+    m = cfg.model
+    if m.dtype not in set(_DTYPES.values()):
+        raise ConfigError(f"model.dtype: expected one of torch.float32, torch.tf32, torch.bfloat16, torch.float16, "
+                          f"got {m.dtype!r}")
+    if not isinstance(m.checkpoint, bool) and not 0.0 <= float(m.checkpoint) <= 1.0:
+        raise ConfigError(f"model.checkpoint: expected True, False or a fraction in [0, 1], got {m.checkpoint!r}")
     if cfg.adam.fused not in ("auto", "torch", "apex"):
         raise ConfigError(f"adam.fused: expected auto, torch or apex, got {cfg.adam.fused!r}")
-    if cfg.model.attn_backend not in ("auto", "flash", "sdpa", "cpu_blocked"):
-        raise ConfigError(f"model.attn_backend: expected auto, flash, sdpa or cpu_blocked, got {cfg.model.attn_backend!r}")
+    if m.attn_backend not in ("auto", "flash", "sdpa", "cpu_blocked"):
+        raise ConfigError(f"model.attn_backend: expected auto, flash, sdpa or cpu_blocked, got {m.attn_backend!r}")
     if not 0.0 <= cfg.lr_scheduler.warmup_ratio <= 1.0:
         raise ConfigError(f"lr_scheduler.warmup_ratio: expected a fraction in [0, 1], got {cfg.lr_scheduler.warmup_ratio}")
     if not 0.0 <= cfg.loss.label_smoothing < 1.0:
         raise ConfigError(f"loss.label_smoothing: expected a value in [0, 1), got {cfg.loss.label_smoothing}")
+
+
+def _check_ckpt(cfg: Config) -> None:
+    """The checkpoint section: what to load (the names of ckpt_names.py, which the checkpoint package uses too)
+    and where and how often to save."""
     info = cfg.ckpt.load_ckpt_info
     if info is not None:
-        bad = [c for c in info.content if c not in _CONTENTS]
+        bad = [c for c in info.content if c not in (*CONTENTS, "all")]
         if bad:
-            raise ConfigError(f"ckpt.load_ckpt_info.content: unknown {bad}; expected any of {', '.join(_CONTENTS)}")
+            raise ConfigError(f"ckpt.load_ckpt_info.content: unknown {bad}; expected any of "
+                              f"{', '.join((*CONTENTS, 'all'))}")
         if info.ckpt_type not in CKPT_TYPES:
             hint = ("; Meta's original Llama files: convert them with transformers' convert_llama_weights_to_hf, "
                     "then use ckpt_type='hf'" if info.ckpt_type == "llama" else "")
@@ -324,6 +360,11 @@ def check_consistency(cfg: Config, world_size: int | None = None) -> None:
         raise ConfigError("ckpt.save_ckpt_folder: must be set when ckpt.enable_save_ckpt is True")
     if cfg.ckpt.checkpoint_every < 1:
         raise ConfigError(f"ckpt.checkpoint_every: expected a positive integer, got {cfg.ckpt.checkpoint_every}")
+
+
+def _check_layout(cfg: Config, world_size: int | None) -> None:
+    """The parallel layout against the model's shape and the batch, then (when known) against the world size."""
+    d, m, p = cfg.data, cfg.model, cfg.parallel
     if p.pipeline == 1 and m.num_chunks != 1:
         raise ConfigError(f"model.num_chunks ({m.num_chunks}) > 1 needs parallel.pipeline > 1 (interleaved schedule)")
     if p.pipeline > 1 and m.num_layers % (p.pipeline * m.num_chunks):
@@ -337,21 +378,16 @@ def check_consistency(cfg: Config, world_size: int | None = None) -> None:
                           f"for the vocabulary-parallel embedding and output")
     if p.sequence_parallel and p.tensor == 1:
         raise ConfigError("parallel.sequence_parallel: needs parallel.tensor > 1")
-    if world_size is not None:
-        tp_pp = p.tensor * p.pipeline
-        if world_size % tp_pp:
-            raise ConfigError(f"world size {world_size} is not divisible by parallel.tensor * parallel.pipeline "
-                              f"({p.tensor} * {p.pipeline} = {tp_pp})")
-        dp = world_size // tp_pp
-        if p.zero1 > dp:  # InternLM's 7B config says zero1=8: on fewer data-parallel ranks shard over all of them
-            notes = getattr(cfg, "compat_notes", None)
-            if notes is not None:
-                notes.mapped.append(f"parallel.zero1={p.zero1} > data-parallel size {dp}: sharding over all {dp}")
-            p.zero1 = dp
-        if p.zero1 > 1 and dp % p.zero1:
-            raise ConfigError(f"parallel.zero1 ({p.zero1}) must divide the data-parallel size ({dp} = world size "
-                              f"{world_size} / (tensor {p.tensor} * pipeline {p.pipeline}))")
-    get_model_spec(cfg.model_type).validate(cfg)  # the family's own rules (heads, norms, its parallel plan)
+    if world_size is None:
+        return
+    tp_pp = p.tensor * p.pipeline
+    if world_size % tp_pp:
+        raise ConfigError(f"world size {world_size} is not divisible by parallel.tensor * parallel.pipeline "
+                          f"({p.tensor} * {p.pipeline} = {tp_pp})")
+    dp = world_size // tp_pp
+    if p.zero1 > 1 and dp % p.zero1:
+        raise ConfigError(f"parallel.zero1 ({p.zero1}) must divide the data-parallel size ({dp} = world size "
+                          f"{world_size} / (tensor {p.tensor} * pipeline {p.pipeline}))")
 
 
 def load_config(path: str | Path, overrides: Iterable[str] = (), world_size: int | None = None) -> Config:

@@ -10,12 +10,18 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Optional, Union
 
+from .ckpt_names import CONTENTS
 
-def f(default: Any = None, help: str = "", factory: Any = None) -> Any:  # noqa: A002 - `help` reads best here
-    """A dataclass field with its documentation."""
+
+def f(default: Any = None, help: str = "", factory: Any = None,  # noqa: A002 - `help` reads best here
+      compat: Union[bool, str] = False) -> Any:
+    """A dataclass field with its documentation. `compat`: the field exists only to keep an InternLM/InternEvo key
+    (True: the key of the same name; a string: InternLM's dotted spelling inside the section, e.g. "zero1.fsdp");
+    compat.py reads these marks, so the schema is the one list of the compatibility keys it keeps."""
+    metadata = {"help": help, "compat": compat} if compat else {"help": help}
     if factory is not None:
-        return field(default_factory=factory, metadata={"help": help})
-    return field(default=default, metadata={"help": help})
+        return field(default_factory=factory, metadata=metadata)
+    return field(default=default, metadata=metadata)
 
 
 @dataclass
@@ -68,7 +74,7 @@ class ModelConfig:
     layer_norm_epsilon: float = f(1e-5, "Epsilon of the norms.")
     use_flash_attn: bool = f(True, "Use flash-attn's kernels when installed and working, on CUDA, with 16-bit compute (bf16/fp16); else SDPA (CPU: blocked matmul attention).")
     num_chunks: int = f(1, "Model chunks per pipeline stage (>1: interleaved 1F1B).")
-    embed_split_hidden: bool = f(True, "InternLM's embedding split; kept for config compatibility (DTensor decides sharding).")
+    embed_split_hidden: bool = f(True, "InternLM's embedding split; kept for config compatibility (DTensor decides sharding).", compat=True)
     embed_grad_scale: float = f(1.0, "Scale of the embedding's gradient (InternLM's embed_grad_scale).")
     parallel_output: bool = f(True, "Keep logits vocab-parallel under tensor parallel; the loss handles sharded logits.")
     apply_post_layer_norm: bool = f(False, "Post-norm blocks instead of pre-norm.")
@@ -86,10 +92,10 @@ class ParallelConfig:
     """Parallel layout (InternLM's `parallel` section); data parallel = world / (tensor * pipeline)."""
 
     zero1: int = f(-1, "Optimizer/parameter sharding: <=0 shard over the whole data-parallel group, 1 none, k within groups of k (HSDP).")
-    zero1_fsdp: bool = f(False, "InternLM's zero1=dict(fsdp=...); sharding here is always FSDP2 when zero1 != 1.")
+    zero1_fsdp: bool = f(False, "InternLM's zero1=dict(fsdp=...); sharding here is always FSDP2 when zero1 != 1.", compat="zero1.fsdp")
     tensor: int = f(1, "Tensor-parallel size.")
     pipeline: int = f(1, "Pipeline-parallel size.")
-    interleaved_overlap: bool = f(True, "Pipeline: overlap communication in the interleaved schedule.")
+    interleaved_overlap: bool = f(True, "Pipeline: overlap communication in the interleaved schedule.", compat="pipeline.interleaved_overlap")
     sequence_parallel: bool = f(False, "Shard activations along the sequence in norms/dropout under tensor parallel.")
 
 
@@ -114,7 +120,7 @@ class LRSchedulerConfig:
     init_steps: int = f(0, "Steps already taken before this schedule starts.")
     warmup_ratio: float = f(0.01, "Fraction of total_steps spent in linear warm-up.")
     eta_min: float = f(1e-5, "Learning rate at the end of the cosine.")
-    last_epoch: int = f(-1, "Kept for InternLM compatibility (torch's last_epoch).")
+    last_epoch: int = f(-1, "Kept for InternLM compatibility (torch's last_epoch).", compat=True)
 
 
 @dataclass
@@ -143,9 +149,9 @@ class GradScalerConfig:
 class HybridZeroOptimizerConfig:
     """InternLM's `hybrid_zero_optimizer`; only `clip_grad_norm` has an effect (FSDP2 does the rest)."""
 
-    overlap_sync_grad: bool = f(True, "Kept for compatibility; FSDP2 always overlaps gradient reduction.")
-    overlap_sync_param: bool = f(True, "Kept for compatibility; FSDP2 always prefetches parameters.")
-    reduce_bucket_size: int = f(512 * 1024 * 1024, "Kept for compatibility.")
+    overlap_sync_grad: bool = f(True, "Kept for compatibility; FSDP2 always overlaps gradient reduction.", compat=True)
+    overlap_sync_param: bool = f(True, "Kept for compatibility; FSDP2 always prefetches parameters.", compat=True)
+    reduce_bucket_size: int = f(512 * 1024 * 1024, "Kept for compatibility.", compat=True)
     clip_grad_norm: float = f(1.0, "Clip the global gradient norm to this (0 or less: no clipping).")
 
 
@@ -161,7 +167,7 @@ class LoadCkptInfo:
     """What to load at start (InternLM's `ckpt.load_ckpt_info`)."""
 
     path: Optional[str] = f(None, "Checkpoint folder or URL to load.")
-    content: tuple = f(None, "What to load: any of model, sampler, optimizer, scheduler, or all.", factory=lambda: ("all",))
+    content: tuple = f(None, f"What to load: any of {', '.join(CONTENTS)}, or all.", factory=lambda: ("all",))
     ckpt_type: str = f("internlm_core", "Format: internlm_core (our DCP checkpoints), internlm (InternLM's / InternEvo's own folders of model_tp{t}_pp{p}.pt; also internevo), hf or hf_llama (a Hugging Face folder: LlamaForCausalLM, InternLMForCausalLM, InternLM2ForCausalLM). Other formats load the model only.")
 
 
@@ -189,7 +195,7 @@ class AlertConfig:
 
     enable_feishu_alert: bool = f(False, "Send alerts to a Feishu webhook.")
     feishu_alert_address: Optional[str] = f(None, "Feishu webhook URL (or env INTERNLM_FEISHU_ALERT_ADDRESS).")
-    light_monitor_address: Optional[str] = f(None, "InternLM's light monitor address; kept for compatibility.")
+    light_monitor_address: Optional[str] = f(None, "InternLM's light monitor address; kept for compatibility.", compat=True)
     webhook_url: Optional[str] = f(None, "Generic JSON webhook URL (or env INTERNLM_ALERT_WEBHOOK).")
     alert_file_path: Optional[str] = f(None, "Also append alerts as JSON lines to this file.")
 

@@ -22,12 +22,10 @@ complete, meta first, so an interrupted run never leaves a pair that looks finis
 
 from __future__ import annotations
 
-import gzip
-import json
 import os
 import sys
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import Callable, Iterator, List, Optional, Tuple
@@ -38,8 +36,7 @@ from internlm_core.errors import DataError
 
 from .formats import dtype_for, make_writer
 from .megatron import idx_path_for
-
-INPUT_EXTS = (".txt", ".json", ".jsonl")
+from .text_documents import input_format, is_input, iter_documents  # reading the documents of the input files
 
 
 @dataclass
@@ -66,19 +63,6 @@ class Stats:
     outputs: List[Tuple[str, str, int, int]] = field(default_factory=list)  # (input, output, docs, tokens)
 
 
-def input_format(path: str) -> str:
-    name = path[:-3] if path.endswith(".gz") else path
-    for ext in INPUT_EXTS:
-        if name.endswith(ext):
-            return ext[1:]
-    raise DataError(f"{path}: unsupported input file type (expected .txt, .json or .jsonl, optionally .gz)")
-
-
-def _is_input(name: str) -> bool:
-    base = name[:-3] if name.endswith(".gz") else name
-    return base.endswith(INPUT_EXTS)
-
-
 def plan(input_path: str, output_path: str) -> List[Tuple[str, str]]:
     """[(input file, output .bin)]: one output per input file; a folder's tree is mirrored."""
     if not os.path.exists(input_path):
@@ -101,7 +85,7 @@ def plan(input_path: str, output_path: str) -> List[Tuple[str, str]]:
         seen.add(real)
         dirs.sort()
         for f in sorted(files):
-            if not _is_input(f):
+            if not is_input(f):
                 continue
             src = os.path.join(root, f)
             rel = os.path.relpath(src, input_path)
@@ -129,12 +113,6 @@ class _Skipper:
             self.warn(f"skipped: {message}")
 
 
-def _open_binary(path: str):
-    if path.endswith(".gz"):
-        return gzip.open(path, "rb")
-    return open(path, "rb")
-
-
 def _raw_pos(fh) -> int:
     inner = getattr(fh, "fileobj", None)  # gzip: the compressed position
     try:
@@ -143,123 +121,12 @@ def _raw_pos(fh) -> int:
         return 0
 
 
-def _decode(raw: bytes, path: str, lineno: int, skip: _Skipper) -> Optional[str]:
-    try:
-        return raw.decode("utf-8")
-    except UnicodeDecodeError as e:
-        skip("non-UTF-8", f"{path}:{lineno}: not valid UTF-8 (byte 0x{raw[e.start]:02x} at column {e.start + 1})")
-        return None
-
-
-def _text_lines(text: str) -> List[str]:
-    """Python's universal-newline split of one binary line (InternLM read files in text mode)."""
-    if "\r" not in text:
-        return [text]
-    text = text.replace("\r\n", "\n").replace("\r", "\n")
-    parts = text.split("\n")
-    out = [p + "\n" for p in parts[:-1]]
-    if parts[-1]:
-        out.append(parts[-1])
-    return out
-
-
-def _record_text(rec, key: str, where: str, skip: _Skipper) -> Optional[str]:
-    if isinstance(rec, str):
-        return rec
-    if not isinstance(rec, dict):
-        skip("not a record", f"{where}: expected a JSON object with a {key!r} field, got {type(rec).__name__}")
-        return None
-    if key not in rec:
-        keys = ", ".join(repr(k) for k in list(rec)[:8])
-        skip("missing text key", f"{where}: record has no {key!r} field (its fields: {keys}; choose one with --text-key)")
-        return None
-    val = rec[key]
-    if not isinstance(val, str):
-        skip("non-string text", f"{where}: field {key!r} is {type(val).__name__}, expected a string")
-        return None
-    return val
-
-
-def iter_documents(path: str, opts: Options, skip: _Skipper, cursor: Optional[dict] = None) -> Iterator[str]:
-    """The text of every document of `path`; `cursor["fh"]` is the open file (for progress by position)."""
-    fmt = input_format(path)
-    compat = opts.text_key is None
-    with _open_binary(path) as fh:
-        if cursor is not None:
-            cursor["fh"] = fh
-        if fmt == "json":
-            try:
-                raw = fh.read()
-            except (OSError, EOFError) as e:
-                raise DataError(f"{path}: cannot read ({e})") from None
-            try:
-                text = raw.decode("utf-8")
-            except UnicodeDecodeError as e:
-                line = raw[: e.start].count(b"\n") + 1
-                skip("non-UTF-8 .json file", f"{path}:{line}: not valid UTF-8 (byte 0x{raw[e.start]:02x})"
-                     + ("; a .json file is parsed whole, so all of it is skipped" if opts.on_error == "skip" else ""))
-                if cursor is not None:
-                    cursor["skipped_whole"] = True
-                return
-            if not compat and text.startswith("\ufeff"):
-                text = text[1:]
-            if not text.strip():
-                return
-            try:
-                data = json.loads(text)
-            except json.JSONDecodeError as e:
-                skip("malformed .json file", f"{path}:{e.lineno}: malformed JSON at column {e.colno}: {e.msg}"
-                     + ("; a .json file is parsed whole, so all of it is skipped" if opts.on_error == "skip" else ""))
-                if cursor is not None:
-                    cursor["skipped_whole"] = True
-                return
-            records = data if isinstance(data, list) else [data]
-            for n, rec in enumerate(records):
-                if compat:
-                    doc = json.dumps(rec)
-                else:
-                    doc = _record_text(rec, opts.text_key, f"{path}: record {n}", skip)
-                    if doc is None:
-                        continue
-                yield doc
-            return
-        lineno = 0
-        try:
-            for raw in fh:
-                lineno += 1
-                if lineno == 1 and raw.startswith(b"\xef\xbb\xbf") and not compat:
-                    raw = raw[3:]
-                if fmt == "txt":
-                    if not raw.strip():
-                        continue
-                    line = _decode(raw, path, lineno, skip)
-                    if line is None:
-                        continue
-                    for piece in _text_lines(line):
-                        piece = piece.strip()
-                        if piece:
-                            yield piece
-                elif compat:  # jsonl, InternLM: every raw line is the document
-                    line = _decode(raw, path, lineno, skip)
-                    if line is None:
-                        continue
-                    yield from _text_lines(line)
-                else:
-                    if not raw.strip():
-                        continue
-                    line = _decode(raw, path, lineno, skip)
-                    if line is None:
-                        continue
-                    try:
-                        rec = json.loads(line)
-                    except json.JSONDecodeError as e:
-                        skip("malformed JSON", f"{path}:{lineno}: malformed JSON at column {e.colno}: {e.msg}")
-                        continue
-                    doc = _record_text(rec, opts.text_key, f"{path}:{lineno}", skip)
-                    if doc is not None:
-                        yield doc
-        except (OSError, EOFError) as e:  # a broken .gz
-            raise DataError(f"{path}:{lineno + 1}: cannot read ({e})") from None
+def _check_special_tokens(tokenizer, opts: Options) -> None:
+    """Refuse a tokenizer without the BOS / EOS the rows are to get, before any file is written."""
+    if opts.add_bos and tokenizer.bos_id is None:
+        raise DataError(f"--tokenizer {tokenizer.name}: has no BOS token; pass --no-add-bos (or --bos-token)")
+    if opts.add_eos and tokenizer.eos_id is None:
+        raise DataError(f"--tokenizer {tokenizer.name}: has no EOS token; pass --no-add-eos (or --eos-token)")
 
 
 def tokenize_file(src: str, dst: str, tokenizer, opts: Options, stats: Stats, skip: _Skipper,
@@ -268,12 +135,7 @@ def tokenize_file(src: str, dst: str, tokenizer, opts: Options, stats: Stats, sk
 
     `progress(bytes_read_in_this_file, new_docs, new_tokens)` is called after every batch.
     """
-    nb = 1 if opts.add_bos else 0
-    ne = 1 if opts.add_eos else 0
-    if opts.add_bos and tokenizer.bos_id is None:
-        raise DataError(f"--tokenizer {tokenizer.name}: has no BOS token; pass --no-add-bos (or --bos-token)")
-    if opts.add_eos and tokenizer.eos_id is None:
-        raise DataError(f"--tokenizer {tokenizer.name}: has no EOS token; pass --no-add-eos (or --eos-token)")
+    _check_special_tokens(tokenizer, opts)
     if os.path.getsize(src) == 0:
         skip("empty file", f"{src}: empty file (no documents)")
         return
@@ -281,62 +143,9 @@ def tokenize_file(src: str, dst: str, tokenizer, opts: Options, stats: Stats, sk
     meta = idx_path_for(dst) if opts.fmt == "megatron" else dst + ".meta"
     tmp_bin, tmp_meta = f"{dst}.tmp{os.getpid()}", f"{meta}.tmp{os.getpid()}"
     writer = make_writer(opts.fmt, tmp_bin, tmp_meta, tokenizer.vocab_size)
-    docs = toks = 0
     cursor: dict = {}
-
-    def encode_and_write(texts: List[str], pos: int) -> None:
-        # runs in a helper thread: the tokenizers release the GIL, so reading and parsing the next batch overlaps
-        nonlocal docs, toks
-        encoded = tokenizer.encode_batch(texts, opts.workers)
-        lengths = [len(e) + nb + ne for e in encoded]
-        total = sum(lengths)
-        if opts.fmt in ("ours", "megatron"):
-            flat = np.empty(total, dtype=np.int64)
-            p = 0
-            for e, n in zip(encoded, lengths):
-                if nb:
-                    flat[p] = tokenizer.bos_id
-                flat[p + nb: p + n - ne] = e
-                if ne:
-                    flat[p + n - 1] = tokenizer.eos_id
-                p += n
-            writer.write_many(flat, lengths)
-        else:
-            pre = [tokenizer.bos_id] if nb else []
-            post = [tokenizer.eos_id] if ne else []
-            for e in encoded:
-                writer.write(pre + (e.tolist() if isinstance(e, np.ndarray) else list(e)) + post)
-        docs += len(texts)
-        toks += total
-        progress(pos, len(lengths), total)
-
-    pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tokenize")
-    pending = None
     try:
-        texts: List[str] = []
-        batch_chars = 0
-
-        def submit():
-            nonlocal pending, texts, batch_chars
-            job = pool.submit(encode_and_write, texts, _raw_pos(cursor["fh"]))
-            if pending is not None:
-                pending.result()  # at most one batch encoding while the next one is read
-            pending = job
-            texts, batch_chars = [], 0
-
-        for text in iter_documents(src, opts, skip, cursor):
-            if not text and opts.text_key is not None:
-                stats.empty_texts += 1
-                continue
-            texts.append(text)
-            batch_chars += len(text)
-            if batch_chars >= opts.batch_bytes:
-                submit()
-        if texts:
-            submit()
-        if pending is not None:
-            pending.result()
-            pending = None
+        docs, toks = _tokenize_into(writer, src, tokenizer, opts, stats, skip, progress, cursor)
         writer.close()
         if docs == 0:
             for p in (tmp_bin, tmp_meta):
@@ -344,15 +153,9 @@ def tokenize_file(src: str, dst: str, tokenizer, opts: Options, stats: Stats, sk
             if not cursor.get("skipped_whole"):
                 skip("empty file", f"{src}: no documents in it (only blank lines, empty texts or skipped records)")
             return
-        os.replace(tmp_meta, meta)
+        os.replace(tmp_meta, meta)  # meta first: a .bin without its meta is never taken for a finished pair
         os.replace(tmp_bin, dst)
     except BaseException:
-        if pending is not None:  # let the helper finish before its file is removed
-            pending.cancel()
-            try:
-                pending.result()
-            except BaseException:  # noqa: BLE001 - the first error is the one to report
-                pass
         try:
             writer._fh.close()
         except Exception:  # closing a half-written temp file must not hide the real error
@@ -361,12 +164,87 @@ def tokenize_file(src: str, dst: str, tokenizer, opts: Options, stats: Stats, sk
             if os.path.exists(p):
                 os.remove(p)
         raise
-    finally:
-        pool.shutdown(wait=True)
     stats.files += 1
     stats.docs += docs
     stats.tokens += toks
     stats.outputs.append((src, dst, docs, toks))
+
+
+def _tokenize_into(writer, src: str, tokenizer, opts: Options, stats: Stats, skip: _Skipper,
+                   progress: Callable[[int, int, int], None], cursor: dict) -> Tuple[int, int]:
+    """Encode and write the documents of `src` batch by batch, each batch in a helper thread while the next one is
+    read and parsed (the tokenizers release the GIL), at most one batch in flight; (documents, tokens) written.
+    On an error the batch in flight is waited for before the error goes up, so the caller may remove its file."""
+    pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tokenize")
+    pending: Optional[Future] = None
+    docs = toks = 0
+    try:
+        for texts in _batches(src, opts, stats, skip, cursor):
+            job = pool.submit(_encode_and_write, writer, tokenizer, texts, opts, _raw_pos(cursor["fh"]), progress)
+            if pending is not None:
+                d, t = pending.result()
+                docs, toks = docs + d, toks + t
+            pending = job
+        if pending is not None:
+            d, t = pending.result()
+            docs, toks, pending = docs + d, toks + t, None
+    except BaseException:
+        if pending is not None:
+            pending.cancel()
+            try:
+                pending.result()
+            except BaseException:  # noqa: BLE001 - the first error is the one to report
+                pass
+        raise
+    finally:
+        pool.shutdown(wait=True)
+    return docs, toks
+
+
+def _batches(src: str, opts: Options, stats: Stats, skip: _Skipper, cursor: dict) -> Iterator[List[str]]:
+    """The documents of `src` in lists of about `opts.batch_bytes` characters (what the tokenizer gets at once);
+    empty texts are counted and dropped, except in InternLM's compatibility mode (text_key None), which keeps them."""
+    texts: List[str] = []
+    chars = 0
+    for text in iter_documents(src, opts, skip, cursor):
+        if not text and opts.text_key is not None:
+            stats.empty_texts += 1
+            continue
+        texts.append(text)
+        chars += len(text)
+        if chars >= opts.batch_bytes:
+            yield texts
+            texts, chars = [], 0
+    if texts:
+        yield texts
+
+
+def _encode_and_write(writer, tokenizer, texts: List[str], opts: Options, pos: int,
+                      progress: Callable[[int, int, int], None]) -> Tuple[int, int]:
+    """Encode one batch, put BOS / EOS around each document and write the rows (the binary formats as one flat
+    array); (documents, tokens). `pos`: how far into the input file the batch ends, for progress."""
+    nb, ne = int(opts.add_bos), int(opts.add_eos)
+    encoded = tokenizer.encode_batch(texts, opts.workers)
+    lengths = [len(e) + nb + ne for e in encoded]
+    total = sum(lengths)
+    if opts.fmt in ("ours", "megatron"):
+        flat = np.empty(total, dtype=np.int64)
+        p = 0
+        for e, n in zip(encoded, lengths):
+            if nb:
+                flat[p] = tokenizer.bos_id
+            flat[p + nb: p + n - ne] = e
+            if ne:
+                flat[p + n - 1] = tokenizer.eos_id
+            p += n
+        writer.write_many(flat, lengths)
+    else:
+        pre = [tokenizer.bos_id] if nb else []
+        post = [tokenizer.eos_id] if ne else []
+        for e in encoded:
+            writer.write(pre + (e.tolist() if isinstance(e, np.ndarray) else list(e)) + post)
+    progress(pos, len(lengths), total)
+    return len(texts), total
 
 
 class Progress:

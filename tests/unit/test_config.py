@@ -114,3 +114,39 @@ def test_internlm_alternative_forms():
 def test_override_syntax_error():
     with pytest.raises(ConfigError, match=r"--set 'data.total_steps': expected KEY=VALUE"):
         load_config(SEVEN_B, ["data.total_steps"])
+
+
+def test_checkpoint_names_are_one_list_shared_with_the_checkpoint_package():
+    """load_ckpt_info's contents and types live in config/ckpt_names.py; the checkpoint package saves under those
+    contents and has a loader for exactly the foreign types the config accepts (no other, none missing)."""
+    from internlm_core.checkpoint import CONTENTS, FOREIGN_LOADERS, normalize_content
+    from internlm_core.config import ckpt_names
+
+    assert CONTENTS is ckpt_names.CONTENTS
+    assert normalize_content("all") == ckpt_names.CONTENTS
+    assert set(FOREIGN_LOADERS) == set(ckpt_names.FOREIGN_CKPT_TYPES)
+    assert set(ckpt_names.CKPT_TYPES) == {ckpt_names.OWN_CKPT_TYPE, *FOREIGN_LOADERS}
+    assert set(ckpt_names.CKPT_TYPE_ALIASES.values()) <= set(ckpt_names.CKPT_TYPES)
+    for kind in (*ckpt_names.CKPT_TYPES, *ckpt_names.CKPT_TYPE_ALIASES):  # every name the config accepts can load
+        info = build_config({"ckpt": {"load_ckpt_info": {"path": "/x", "ckpt_type": kind}}}).ckpt.load_ckpt_info
+        assert info.ckpt_type == ckpt_names.OWN_CKPT_TYPE or info.ckpt_type in FOREIGN_LOADERS
+    with pytest.raises(ConfigError, match=r"ckpt_type: expected one of internlm_core, internlm, hf, hf_llama \(or "):
+        build_config({"ckpt": {"load_ckpt_info": {"path": "/x", "ckpt_type": "megatron"}}})
+    with pytest.raises(ConfigError, match=r"content: unknown \['rng'\]; expected any of model, sampler, optimizer, "
+                                          r"scheduler, all$"):
+        build_config({"ckpt": {"load_ckpt_info": {"path": "/x", "content": ["model", "rng"]}}})
+
+
+def test_zero1_larger_than_data_parallel_is_normalized_before_the_checks():
+    """InternLM's zero1=8 on 2 data-parallel ranks shards over both (noted); check_consistency itself only checks."""
+    from internlm_core.config.loader import check_consistency, compat_lines
+
+    cfg = build_config({"parallel": {"zero1": 8}}, world_size=2)
+    assert cfg.parallel.zero1 == 2
+    assert "parallel.zero1=8 > data-parallel size 2: sharding over all 2" in compat_lines(cfg)[-1]
+    cfg = build_config({"parallel": {"zero1": 8}})
+    check_consistency(cfg, world_size=16)  # 8 divides 16: nothing to say, nothing changed
+    assert cfg.parallel.zero1 == 8
+    with pytest.raises(ConfigError, match=r"parallel.zero1 \(8\) must divide the data-parallel size \(2 = world size 2"):
+        check_consistency(cfg, world_size=2)
+    assert cfg.parallel.zero1 == 8

@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from internlm_core.config import build_config, load_config
+from internlm_core.config import build_config, compat, load_config
+from internlm_core.config.schema import Config
 from internlm_core.config.loader import compat_lines
 from internlm_core.errors import ConfigError
 from internlm_core.model import build_model, count_parameters
@@ -73,6 +74,54 @@ def test_forms_map_or_refuse():
     ]:
         with pytest.raises(ConfigError, match=message):
             build_config(raw)
+
+
+def _accepted_value(rule):
+    """A value the compatibility key's rule accepts (the rules refuse values that would change the model)."""
+    ok = rule[0]
+    for value in (1, "normal", True, False, 0):
+        try:
+            if ok is None or ok(value):
+                return value
+        except (TypeError, ValueError):
+            continue
+    raise AssertionError(f"no test value passes {rule}")
+
+
+def _kept_value(section, home):
+    """A value of the schema field `section.home`'s type that differs from its default."""
+    default = Config()
+    for name in ([section] if section else []) + home.split("."):
+        default = getattr(default, name)
+    return (not default) if isinstance(default, bool) else default + 1 if isinstance(default, int) else "kept"
+
+
+def test_every_compatibility_key_is_accepted_noted_and_kept_where_the_schema_has_its_field():
+    """One list of compatibility-only keys (compat._COMPAT); the schema's fields marked `compat` are where some of them
+    are kept (compat._KEPT, read from the schema): each key loads, is named in the compat log line, and is removed
+    or kept in its field. InternLM's zero1.fsdp and pipeline.interleaved_overlap reach zero1_fsdp and
+    interleaved_overlap through the same list."""
+    assert set(compat._KEPT) <= set(compat._COMPAT)
+    assert compat._KEPT[("parallel", "zero1.fsdp")][0] == "zero1_fsdp"
+    assert compat._KEPT[("parallel", "pipeline.interleaved_overlap")][0] == "interleaved_overlap"
+    for (section, key), rule in compat._COMPAT.items():
+        home = compat._KEPT.get((section, key), (None,))[0]
+        value = _kept_value(section, home) if home else _accepted_value(rule)
+        leaf: dict = {}
+        node = leaf
+        *parents, last = key.split(".")
+        for p in parents:
+            node = node.setdefault(p, {})
+        node[last] = value
+        raw = {**leaf} if not section else {section: leaf}
+        cfg = build_config(raw)
+        name = f"{section}.{key}" if section else key
+        assert name in compat_lines(cfg)[0].split(": ", 1)[1].split(", "), name
+        if home:
+            kept = cfg
+            for attr in [section] + home.split("."):
+                kept = getattr(kept, attr)
+            assert kept == value, name
 
 
 def test_legacy_checkpoint_keys_as_internlms_legacy_launch():
