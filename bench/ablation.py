@@ -49,7 +49,7 @@ def patch(variant: str) -> list[str]:
         import internlm_core.loss as L
         L._compiled_chunk = lambda: None
     if "-malloc" in off:
-        import internlm_core.trainer.trainer as TR
+        import internlm_core.trainer.build as TR
         TR.keep_freed_cpu_memory = lambda: False
     return sets
 

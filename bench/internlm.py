@@ -54,7 +54,7 @@ def n_params_and_flops(config: str, overrides: list[str]) -> tuple[int, int, int
     from internlm_core.config import load_config
     from internlm_core.model import analytic_parameter_count, flops_per_token, model_args_from_config
     cfg = load_config(config, overrides)
-    args = model_args_from_config(cfg, "cpu", quiet=True)
+    args = model_args_from_config(cfg, "cpu", )
     tokens = cfg.data.seq_len * cfg.data.micro_bsz * cfg.data.micro_num
     return analytic_parameter_count(args), flops_per_token(args, cfg.data.seq_len), tokens
 

@@ -37,7 +37,7 @@ def main(argv=None) -> int:
     with tempfile.TemporaryDirectory() as d:
         tr = build_trainer(cfg, launch, Path(d))
         it = iter(tr.train_loader)
-        keep_freed_cpu_memory()  # as Trainer.train does: otherwise page faults of fresh blocks show up as copies
+        keep_freed_cpu_memory()  # as build_trainer does: otherwise page faults of fresh blocks show up as copies
         t_end = time.perf_counter()
         for i in range(a.warmup):
             tr.train_step(next(it), t_end)

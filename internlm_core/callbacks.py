@@ -1,9 +1,11 @@
 """The one callback system of the training loop: step events (HF Trainer's shape) and micro-batch events
 (InternLM's scheduler hooks).
 
-Writers, monitors (watchdog, loss health, stragglers, alerts), the checkpoint manager, profilers and the
-metric hook (`trainer.hooks.SchedulerMetricHook`) plug into the loop through one `CallbackList` instead of
-being called from it one by one. Every method gets the trainer first (its `state`, `run_dir`, ...).
+Monitors (watchdog, loss health, stragglers, alerts), the checkpoint callback, profilers and a driver's own
+callbacks plug into the loop through one `CallbackList` (in the order `trainer.build.CALLBACK_ORDER` declares)
+instead of being called from it one by one. Callbacks observe and steer (a stop request, a save); they never carry
+a result the loop needs: the loop times its phases and feeds its training metric itself
+(`trainer.hooks.SchedulerMetricHook`). Every method gets the trainer first (its `state`, `run_dir`, ...).
 """
 
 from __future__ import annotations

@@ -211,7 +211,7 @@ def estimate(cfg: Config, world_size: int = 1, precision: str = "internlm_core",
         raise ValueError(f"precision {precision!r}: expected one of {PRECISIONS}")
     if args is None:
         from .model import model_args_from_config
-        args = model_args_from_config(cfg, "cuda", quiet=True)
+        args = model_args_from_config(cfg, "cuda")
     m, d = cfg.model, cfg.data
     lay = Layout.from_config(cfg, world_size)
     numerics = resolve_precision(m.dtype, device)

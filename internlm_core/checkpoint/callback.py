@@ -7,7 +7,7 @@ from typing import Any, Optional
 
 from ..callbacks import TrainerCallback
 from ..utils.logging import get_logger
-from . import faults
+from . import events
 from .manager import CheckpointManager
 
 logger = get_logger(__name__)
@@ -48,6 +48,7 @@ class CheckpointCallback(TrainerCallback):
             return
         path = self.manager.save(step, reason, kind)
         if path is not None:
+            events.emit("saved", step, manager=self.manager)
             trainer.callbacks.fire("on_save", trainer, step, path)
 
     def on_step_end(self, trainer: Any, metrics: dict) -> None:
@@ -59,9 +60,6 @@ class CheckpointCallback(TrainerCallback):
             self._save(trainer, step, req.reason or "stop request", "regular")
         elif kind is not None:
             self._save(trainer, step, "checkpoint_every" if kind == "regular" else "oss_snapshot_freq", kind)
-        if faults.requested("kill_after_commit", step):  # test-only: die once this step's checkpoint is complete
-            self.manager.wait()
-            faults.maybe_kill("kill_after_commit", step)
 
     def on_train_end(self, trainer: Any) -> None:
         step = int(trainer.state.batch_count)

@@ -22,7 +22,7 @@ from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 
 from ..errors import CheckpointError
-from . import faults
+from . import events
 
 _DCP_METADATA_CLASSES = ("Metadata", "MetadataIndex", "BytesStorageMetadata", "TensorStorageMetadata",
                          "ChunkStorageMetadata", "TensorProperties", "StorageMeta", "_MEM_FORMAT_ENCODING")
@@ -99,7 +99,7 @@ class SafeLoadPlanner(DefaultLoadPlanner):
 
 
 class InterruptibleWriter(FileSystemWriter):
-    """FileSystemWriter (fsync on, as DCP's default) with the test-only fault point `kill_before_metadata`:
+    """FileSystemWriter (fsync on, as DCP's default) that announces the phase "shards_written" (events.py):
     every rank's shards are written and durable, DCP's index is not."""
 
     def __init__(self, path: str | Path, step: int, **kwargs: Any):
@@ -107,7 +107,7 @@ class InterruptibleWriter(FileSystemWriter):
         self._step = step
 
     def finish(self, metadata: Metadata, results: Any) -> None:
-        faults.maybe_kill("kill_before_metadata", self._step)
+        events.emit("shards_written", self._step)
         super().finish(metadata, results)
 
 

@@ -24,7 +24,7 @@ import torch.distributed.checkpoint as dcp
 
 from ..errors import CheckpointError
 from ..utils.logging import get_logger
-from . import faults
+from . import events
 from .collectives import Collectives
 from .integrity import checksums
 from .meta import build_marker
@@ -260,7 +260,7 @@ class CheckpointWriter:
             except CheckpointError as e:
                 return False, str(e)
         try:
-            faults.maybe_kill("kill_before_marker", result.step)
+            events.emit("before_marker", result.step)
             self.storage.put_text(result.name, MARKER, json.dumps(marker, indent=1))
         except Exception as e:
             return False, f"writing the {MARKER} marker: {type(e).__name__}: {e}"

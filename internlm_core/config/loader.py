@@ -190,6 +190,7 @@ def build_config(raw: dict, source: str = "config", world_size: int | None = Non
     raw = {k: v for k, v in raw.items() if not _is_file_constant(k)}
     try:
         raw, notes = normalize(raw)  # InternLM's and InternEvo's forms (compat.py)
+        raw = _collect_family_dims(raw)
         cfg = _build(Config, raw, "")
     except ConfigError as e:
         raise ConfigError(f"{source}: {e}") from None
@@ -201,6 +202,25 @@ def build_config(raw: dict, source: str = "config", world_size: int | None = Non
     except ConfigError as e:
         raise ConfigError(f"{source}: {e}") from None
     return cfg
+
+
+def _collect_family_dims(raw: dict) -> dict:
+    """`parallel.<key>` of a dimension the model family adds (its plan's mesh_dims) moves into `parallel.dims`,
+    where the schema keeps them; any other unknown key stays and is reported by validation."""
+    parallel = raw.get("parallel")
+    if not isinstance(parallel, dict):
+        return raw
+    try:
+        spec = get_model_spec(raw.get("model_type", Config.model_type))
+    except ConfigError:
+        return raw  # an unknown model_type is reported with its own message
+    keys = {d.key for d in spec.plan.mesh_dims} & set(parallel)
+    if not keys:
+        return raw
+    dims = dict(parallel.get("dims") or {})
+    dims.update({k: parallel[k] for k in keys})
+    parallel = {k: v for k, v in parallel.items() if k not in keys}
+    return {**raw, "parallel": {**parallel, "dims": dims}}
 
 
 def compat_lines(cfg: Config) -> list[str]:
@@ -284,7 +304,7 @@ def check_consistency(cfg: Config, world_size: int | None = None) -> None:
     _check_choices(cfg)
     _check_ckpt(cfg)
     _check_layout(cfg, world_size)
-    get_model_spec(cfg.model_type).validate(cfg)  # the family's own rules (heads, norms, its parallel plan)
+    get_model_spec(cfg.model_type).validate(cfg.model_inputs())  # the family's own rules (heads, norms, its plan)
 
 
 def _check_positive(cfg: Config) -> None:

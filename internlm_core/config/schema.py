@@ -97,6 +97,9 @@ class ParallelConfig:
     pipeline: int = f(1, "Pipeline-parallel size.")
     interleaved_overlap: bool = f(True, "Pipeline: overlap communication in the interleaved schedule.", compat="pipeline.interleaved_overlap")
     sequence_parallel: bool = f(False, "Shard activations along the sequence in norms/dropout under tensor parallel.")
+    dims: dict = f(help="Sizes of the parallel dimensions the model family adds (its plan's mesh_dims), by key; "
+                        "written as `parallel.<key>=N` (e.g. a family's expert dimension), collected here.",
+                   factory=dict)
 
 
 @dataclass
@@ -240,3 +243,11 @@ class Config:
     seed: int = f(1024, "Seed of model init, dropout and (unless data.seed) data order.")
     DO_ALERT: bool = f(False, "InternLM's alert switch; enables monitor.alert.enable_feishu_alert.")
     tokenizer: Optional[str] = f(None, "Tokenizer of the data (model path or `byte`), recorded for export.")
+
+    def model_inputs(self) -> Any:
+        """The plain values the model family reads (model.ModelInputs): its section, seq_len, the layout."""
+        from ..model import ModelInputs, ParallelSizes
+        p = self.parallel
+        return ModelInputs(model_type=self.model_type, model=self.model, seq_len=self.data.seq_len,
+                           parallel=ParallelSizes(tensor=p.tensor, pipeline=p.pipeline,
+                                                  sequence_parallel=p.sequence_parallel, dims=dict(p.dims)))

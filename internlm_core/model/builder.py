@@ -1,39 +1,47 @@
-"""Build a model from the config through its family's spec."""
+"""Build a model through its family's spec, from `ModelInputs` (or a config, which makes them)."""
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any, Optional, Union
 
 import torch
 
 from .attention import default_attention_backend
 from .init import materialize
-from .spec import ModelSpec, get_model_spec
+from .spec import ModelInputs, ModelSpec, get_model_spec
+
+# a ModelInputs, or an object that makes one (config.Config.model_inputs()): the model package reads nothing else
+ModelSource = Union[ModelInputs, Any]
 
 
-def model_spec(cfg: Any) -> ModelSpec:
-    """The spec of `cfg.model_type`."""
-    return get_model_spec(cfg.model_type)
+def model_inputs(source: ModelSource) -> ModelInputs:
+    """`source` itself, or the ModelInputs its `model_inputs()` makes (a Config)."""
+    return source if isinstance(source, ModelInputs) else source.model_inputs()
 
 
-def model_args_from_config(cfg: Any, device_type: str = "cpu", quiet: bool = False,
-                           attn_backend: Optional[str] = None) -> Any:
-    """The family's module args from the config. `attn_backend`: the attention kernel a run chose
-    (numerics.select_kernels); without it the plain one of `device_type` (see default_attention_backend)."""
-    return model_spec(cfg).build_args(cfg, attn_backend or default_attention_backend(device_type))
+def model_spec(source: ModelSource) -> ModelSpec:
+    """The spec of the source's `model_type`."""
+    return get_model_spec(model_inputs(source).model_type)
 
 
-def build_model(cfg: Any, device: torch.device | str = "cpu", seed: Optional[int] = None,
+def model_args(source: ModelSource, device_type: str = "cpu", attn_backend: Optional[str] = None) -> Any:
+    """The family's module args. `attn_backend`: the attention kernel a run chose (numerics.select_kernels);
+    without it the plain one of `device_type` (see default_attention_backend)."""
+    inputs = model_inputs(source)
+    return get_model_spec(inputs.model_type).build_args(inputs, attn_backend or default_attention_backend(device_type))
+
+
+def build_model(source: ModelSource, device: torch.device | str = "cpu", seed: Optional[int] = None,
                 attn_backend: Optional[str] = None) -> torch.nn.Module:
-    """The model of `cfg.model_type`: built on the meta device, then (unless `device` is "meta") materialized
-    on `device` and initialized from `seed` (default `cfg.seed`) as every parallel layout initializes it.
-    `attn_backend`: the run's attention kernel (see model_args_from_config)."""
+    """The model: built on the meta device, then (unless `device` is "meta") materialized on `device` and
+    initialized from `seed` (default: the config's `seed`, else 0) as every parallel layout initializes it.
+    `attn_backend`: the run's attention kernel (see model_args)."""
     device = torch.device(device)
-    args = model_args_from_config(cfg, "cuda" if device.type == "cuda" else device.type, attn_backend=attn_backend)
+    args = model_args(source, device.type, attn_backend=attn_backend)
     with torch.device("meta"):
-        model = model_spec(cfg).module(args)
+        model = model_spec(source).module(args)
     if device.type != "meta":
-        materialize(model, device, cfg.seed if seed is None else seed)
+        materialize(model, device, seed if seed is not None else getattr(source, "seed", 0))
     return model
 
 
@@ -42,7 +50,12 @@ def count_parameters(model: torch.nn.Module) -> int:
     return sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
 
 
-def model_flops_per_token(cfg: Any, args: Any) -> int:
-    """Model FLOPs per trained token of `cfg`'s family (0 when the family does not say)."""
-    fn = model_spec(cfg).flops_per_token
-    return int(fn(args, cfg.data.seq_len)) if fn is not None else 0
+def model_flops_per_token(source: ModelSource, args: Any) -> int:
+    """Model FLOPs per trained token of the family (0 when the family does not say)."""
+    inputs = model_inputs(source)
+    fn = get_model_spec(inputs.model_type).flops_per_token
+    return int(fn(args, inputs.seq_len)) if fn is not None else 0
+
+
+# the name callers used before ModelInputs; the same function
+model_args_from_config = model_args

@@ -23,6 +23,32 @@ from ..errors import ConfigError
 
 
 @dataclass(frozen=True)
+class ParallelSizes:
+    """The parallel layout as a family's rules see it (plain values from the config's `parallel` section).
+
+    dims: the sizes of the mesh dimensions the family adds (`ParallelPlan.mesh_dims`), by their config key."""
+
+    tensor: int = 1
+    pipeline: int = 1
+    sequence_parallel: bool = False
+    dims: Mapping[str, int] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class ModelInputs:
+    """Everything a family may read to build, check and count its model: plain values, not the whole config.
+
+    model: the `model` section (config.schema.ModelConfig; read by attribute, since this package sits below
+        `config`); seq_len: tokens of one sequence (data.seq_len); parallel: the layout its rules check.
+    `Config.model_inputs()` makes one."""
+
+    model_type: str
+    model: Any
+    seq_len: int
+    parallel: ParallelSizes = field(default_factory=ParallelSizes)
+
+
+@dataclass(frozen=True)
 class TensorParallelOptions:
     """How the tensor-parallel plan is applied (from `parallel` and `model`)."""
 
@@ -47,6 +73,39 @@ class StageShapes:
 
 
 @dataclass(frozen=True)
+class MeshDim:
+    """A parallel dimension a family adds to the generic ones (data, tensor, pipeline), e.g. expert parallel.
+
+    It is carved out of the sharded data-parallel ranks: with `parallel.<key>` = E, each group of E consecutive
+    data-parallel shard ranks becomes one group of this dimension (mesh dims `dp_shard_rest`, `name`). Every
+    generic group keeps its meaning: the E ranks read different batches, losses and metrics are averaged over
+    all data-parallel ranks, and the parameters `apply` leaves alone are sharded by FSDP over all of them.
+
+    name: the mesh dimension's name ("ep"); key: its size's config key (`parallel.<key>`, default 1: off);
+    apply(model, ctx): shard the family's modules over this dimension (`MeshDimContext`) and return the modules
+        it sharded; FSDP then shards each of those over the remaining data-parallel ranks only, and averages
+        their gradients over every data-parallel rank (their forward already combined the E ranks' tokens);
+    description: one line for logs and errors.
+    """
+
+    name: str
+    key: str
+    apply: Callable[[nn.Module, "MeshDimContext"], list[nn.Module]]
+    description: str = ""
+
+
+@dataclass(frozen=True)
+class MeshDimContext:
+    """What `MeshDim.apply` gets: the dimension's own mesh (a 1-D DeviceMesh of its E ranks), its size and this
+    rank's index in it, and the model's args."""
+
+    mesh: Any
+    size: int
+    rank: int
+    args: Any
+
+
+@dataclass(frozen=True)
 class ParallelPlan:
     """How the generic parallel code (internlm_core/parallel) cuts and shards a family's module.
 
@@ -58,12 +117,15 @@ class ParallelPlan:
         `stage_ids` (keeping parameter names) and return (model, one runnable chunk per stage).
     stage_io(args, stage, num_stages, shapes) -> (input, output) of one micro-batch of a stage as meta tensors
         (a simulated job's pipeline cannot learn them from its fake neighbours).
+    mesh_dims: parallel dimensions of the family's own (MeshDim), applied after tensor parallel, before
+        activation checkpointing and FSDP.
     """
 
     blocks: Callable[[nn.Module], list[nn.Module]]
     apply_tensor_parallel: Optional[Callable[[nn.Module, Any, TensorParallelOptions], None]] = None
     split_stages: Optional[Callable[[nn.Module, list[int], int], tuple[nn.Module, list[nn.Module]]]] = None
     stage_io: Optional[Callable[[Any, int, int, StageShapes], tuple[torch.Tensor, torch.Tensor]]] = None
+    mesh_dims: tuple[MeshDim, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -107,8 +169,9 @@ class ModelSpec:
     """One model family as the framework sees it.
 
     name: the canonical `model_type`; aliases: other spellings users' configs carry (InternEvo's, ...).
-    build_args(cfg, attn_backend) -> the module's args; module(args) -> the model.
-    fill_defaults(model_cfg): family defaults for unset keys; validate(cfg): family rules (ConfigError).
+    build_args(inputs: ModelInputs, attn_backend) -> the module's args; module(args) -> the model.
+    fill_defaults(model_section): family defaults for unset keys; validate(inputs: ModelInputs): family rules
+        (ConfigError naming the key).
     num_parameters(args), flops_per_token(args, seq_len): analytic counts for logs, MFU and estimates.
     sizes: named shapes ("7B": {model keys}) of the family's published models.
     adapters: state-dict adapters by format: "hf" (the family's own Hugging Face class), "hf_llama" (the
@@ -117,12 +180,12 @@ class ModelSpec:
 
     name: str
     module: Callable[[Any], nn.Module]
-    build_args: Callable[[Any, str], Any]
+    build_args: Callable[[ModelInputs, str], Any]
     plan: ParallelPlan
     aliases: tuple[str, ...] = ()
     description: str = ""
     fill_defaults: Callable[[Any], None] = lambda model_cfg: None
-    validate: Callable[[Any], None] = lambda cfg: None
+    validate: Callable[[ModelInputs], None] = lambda inputs: None
     num_parameters: Optional[Callable[[Any], int]] = None
     flops_per_token: Optional[Callable[[Any, int], int]] = None
     sizes: dict[str, dict] = field(default_factory=dict)

@@ -10,15 +10,32 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 
+def _by_mesh(items: list, tensor_of) -> dict[object, list]:
+    """`items` grouped by the mesh of their tensor (None: plain tensors), in first-seen order."""
+    groups: dict[object, list] = {}
+    for item in items:
+        t = tensor_of(item)
+        groups.setdefault(t.device_mesh if isinstance(t, DTensor) else None, []).append(item)
+    return groups
+
+
+def _full_norm(grads: list[torch.Tensor]) -> torch.Tensor:
+    norm = torch.nn.utils.get_total_norm(grads, norm_type=2.0, foreach=True)
+    if isinstance(norm, DTensor):  # FSDP/TP: the norm of the full gradient across the mesh
+        norm = norm.full_tensor()
+    return norm
+
+
 @torch.no_grad()
 def global_grad_norm(params: Iterable[torch.nn.Parameter], pp_group: Optional[dist.ProcessGroup] = None) -> torch.Tensor:
     """L2 norm of all gradients of the whole model (DTensor shards reduced; pipeline stages summed)."""
     grads = [p.grad for p in params if p.grad is not None]
     if not grads:
         return torch.zeros(())
-    norm = torch.nn.utils.get_total_norm(grads, norm_type=2.0, foreach=True)
-    if isinstance(norm, DTensor):  # FSDP/TP: the norm of the full gradient across the mesh
-        norm = norm.full_tensor()
+    # DTensor gradients on different meshes (a family's own dimension shards some parameters over another mesh
+    # than the rest) cannot meet in one op: one norm per mesh, combined as a root of the sum of squares
+    norms = [_full_norm(group) for group in _by_mesh(grads, lambda g: g).values()]
+    norm = norms[0] if len(norms) == 1 else torch.stack([n.float() ** 2 for n in norms]).sum().sqrt()
     if pp_group is not None:  # each pipeline stage holds different parameters
         sq = norm.float() ** 2
         dist.all_reduce(sq, group=pp_group)
@@ -38,6 +55,6 @@ def clip_and_check(params: list[torch.nn.Parameter], max_norm: float, inv_scale:
     value = norm.item()
     finite = math.isfinite(value)
     if finite and max_norm > 0:
-        with_grad = [p for p in params if p.grad is not None]
-        torch.nn.utils.clip_grads_with_norm_(with_grad, max_norm, norm.to(with_grad[0].grad.device), foreach=True)
+        for group in _by_mesh([p for p in params if p.grad is not None], lambda p: p.grad).values():
+            torch.nn.utils.clip_grads_with_norm_(group, max_norm, norm.to(group[0].grad.device), foreach=True)
     return value, finite

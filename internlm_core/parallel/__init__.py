@@ -3,20 +3,22 @@ activation checkpointing → compile → FSDP on what each rank keeps."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Optional
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from ..config.schema import Config, ParallelConfig
 from ..distributed.parallel_dims import ParallelDims
 from ..errors import ConfigError
-from ..model import ModelSpec, StageShapes, TensorParallelOptions, materialize
+from ..model import MeshDimContext, ModelInputs, ModelSpec, StageShapes, TensorParallelOptions, materialize
 from ..numerics import Precision
 from ..utils.logging import get_logger
 from .activation_checkpoint import checkpoint_and_compile
 from .comm import CommCounter
-from .fsdp import apply_fsdp, mixed_precision_policy
+from .fsdp import apply_fsdp, apply_fsdp_to_dim_modules, mixed_precision_policy
 
 if TYPE_CHECKING:
     from .pipeline import PipelineParallel
@@ -24,14 +26,52 @@ if TYPE_CHECKING:
 logger = get_logger(__name__)
 
 
-def parallelize_model(model: nn.Module, spec: ModelSpec, cfg: Any, dims: ParallelDims,
+@dataclass(frozen=True)
+class ParallelOptions:
+    """What applying a plan needs besides the layout (ParallelDims): plain values from `model`, `parallel` and
+    `data`, so that the parallel code never reads the whole config."""
+
+    inputs: ModelInputs        # the family's view (its args for a simulated pipeline's stage shapes)
+    seed: int                  # initial values of a model materialized after sharding
+    num_chunks: int = 1        # model.num_chunks: virtual pipeline stages per rank
+    checkpoint: Any = False    # model.checkpoint: activation checkpointing (bool or fraction of blocks)
+    compile: bool = False      # model.compile
+    sequence_parallel: bool = False
+    parallel_output: bool = True
+    micro_num: int = 1         # micro-batches per step (the pipeline schedule's)
+    micro_bsz: int = 1         # rows of one micro-batch (a simulated pipeline's stage shapes)
+    seq_len: int = 2048
+
+
+def parallel_options(cfg: Config) -> ParallelOptions:
+    """The ParallelOptions of a config."""
+    m = cfg.model
+    return ParallelOptions(inputs=cfg.model_inputs(), seed=cfg.seed, num_chunks=m.num_chunks, checkpoint=m.checkpoint,
+                           compile=m.compile, sequence_parallel=cfg.parallel.sequence_parallel,
+                           parallel_output=m.parallel_output, micro_num=cfg.data.micro_num,
+                           micro_bsz=cfg.data.micro_bsz, seq_len=cfg.data.seq_len)
+
+
+def family_dims(spec: ModelSpec, parallel: ParallelConfig) -> tuple[tuple[str, int], ...]:
+    """((mesh name, size), ...) of the dimensions `spec`'s plan adds, from `parallel.dims` (1 where unset);
+    ConfigError for a size given to a dimension the family does not have."""
+    declared = {d.key: d for d in spec.plan.mesh_dims}
+    unknown = sorted(set(parallel.dims) - set(declared))
+    if unknown:
+        raise ConfigError(f"parallel.{unknown[0]}: model_type {spec.name} has no such parallel dimension"
+                          + (f" (its own: {', '.join(sorted(declared))})" if declared else ""))
+    return tuple((d.name, int(parallel.dims.get(d.key, 1))) for d in spec.plan.mesh_dims)
+
+
+def parallelize_model(model: nn.Module, spec: ModelSpec, options: ParallelOptions, dims: ParallelDims,
                       device: Optional[torch.device] = None, seed: Optional[int] = None,
                       precision: Optional[Precision] = None, grad_reduce: str = "step"
                       ) -> tuple[nn.Module, Optional[PipelineParallel]]:
-    """Parallelize `model` (of family `spec`) in place according to `cfg.parallel` and `dims`.
+    """Parallelize `model` (of family `spec`) in place as `dims` and `options` say, by the family's plan:
+    pipeline split, tensor parallel, the family's own dimensions, activation checkpointing and compile, FSDP.
 
-    A model built on the meta device (`build_model(cfg, "meta")`) is split, sharded and only then
-    materialized on `device` and initialized from `seed` (default `cfg.seed`): no rank ever allocates more
+    A model built on the meta device (`build_model(inputs, "meta")`) is split, sharded and only then
+    materialized on `device` and initialized from `seed` (default `options.seed`): no rank ever allocates more
     than its shards, and every layout starts from the same weights (model/init.py). Under FSDP, `precision`
     sets its mixed precision policy (16-bit all-gathers, fp32 gradient reduction and master weights);
     `grad_reduce` "micro_batch" makes pipeline stages reduce-scatter every micro-batch's gradients.
@@ -47,47 +87,68 @@ def parallelize_model(model: nn.Module, spec: ModelSpec, cfg: Any, dims: Paralle
         # imported here: torch.distributed.pipelining brings torch.export (~1 s per process) that only
         # pipeline-parallel runs use
         from .pipeline import split_model
-        model, chunks, stage_ids = split_model(model, plan, dims.pp_rank, dims.pp, cfg.model.num_chunks)
-        logger.info(f"pipeline rank {dims.pp_rank}/{dims.pp}: stages {stage_ids} of {dims.pp * cfg.model.num_chunks}, "
+        model, chunks, stage_ids = split_model(model, plan, dims.pp_rank, dims.pp, options.num_chunks)
+        logger.info(f"pipeline rank {dims.pp_rank}/{dims.pp}: stages {stage_ids} of {dims.pp * options.num_chunks}, "
                     f"{len(plan.blocks(model))} blocks")
     if dims.tp > 1:
         if plan.apply_tensor_parallel is None:
             raise ConfigError(f"parallel.tensor: model_type {spec.name} has no tensor-parallel plan")
         plan.apply_tensor_parallel(model, dims.submesh("tp"), TensorParallelOptions(
-            sequence_parallel=cfg.parallel.sequence_parallel, parallel_output=cfg.model.parallel_output,
-            local_logits=dims.pp > 1, compile=cfg.model.compile))
+            sequence_parallel=options.sequence_parallel, parallel_output=options.parallel_output,
+            local_logits=dims.pp > 1, compile=options.compile))
+    dim_modules = apply_family_dims(model, spec, options, dims)
     blocks = plan.blocks(model)
-    n = checkpoint_and_compile(blocks, cfg.model.checkpoint, cfg.model.compile)
+    n = checkpoint_and_compile(blocks, options.checkpoint, options.compile)
     if n:
         logger.info(f"activation checkpointing on {n} of {len(blocks)} blocks")
     if dims.dp > 1:
         mp = mixed_precision_policy(precision.compute_dtype, precision.reduce_dtype) if precision else None
+        apply_fsdp_to_dim_modules(dim_modules, dims, reshard_after_forward=dims.pp == 1, mp_policy=mp)
         apply_fsdp(blocks, chunks, dims, reshard_after_forward=dims.pp == 1, mp_policy=mp)
     if on_meta and device.type != "meta":
-        materialize(model, device, cfg.seed if seed is None else seed)
+        materialize(model, device, options.seed if seed is None else seed)
     pipeline = None
     if dims.pp > 1:
         from .pipeline import PipelineParallel
-        logits_mesh = dims.submesh("tp") if dims.tp > 1 and cfg.model.parallel_output else None
-        pipeline = PipelineParallel(chunks, stage_ids, dims.pp * cfg.model.num_chunks, cfg.data.micro_num,
+        logits_mesh = dims.submesh("tp") if dims.tp > 1 and options.parallel_output else None
+        pipeline = PipelineParallel(chunks, stage_ids, dims.pp * options.num_chunks, options.micro_num,
                                     dims.group("pp"), device, logits_mesh=logits_mesh,
-                                    stage_io=_simulated_stage_io(spec, cfg, dims, precision),
+                                    stage_io=_simulated_stage_io(spec, options, dims, precision),
                                     reduce_each_micro_batch=grad_reduce == "micro_batch")
     return model, pipeline
 
 
-def _simulated_stage_io(spec: ModelSpec, cfg: Any, dims: ParallelDims, precision: Optional[Precision]):
+def apply_family_dims(model: nn.Module, spec: ModelSpec, options: ParallelOptions, dims: ParallelDims
+                      ) -> list[nn.Module]:
+    """Each of the family's own dimensions of size > 1 shards what it owns (MeshDim.apply); the modules they
+    sharded, for FSDP over the remaining data-parallel ranks."""
+    sharded: list[nn.Module] = []
+    for dim in spec.plan.mesh_dims:
+        size = dims.size(dim.name)
+        if size == 1:
+            continue
+        mesh = dims.submesh(dim.name)
+        ctx = MeshDimContext(mesh=mesh, size=size, rank=mesh.get_local_rank(),
+                             args=spec.build_args(options.inputs, "sdpa"))
+        modules = dim.apply(model, ctx)
+        logger.info(f"{dim.name}={size} ({dim.description or dim.key}): {len(modules)} module(s) sharded over it")
+        sharded.extend(modules)
+    return sharded
+
+
+def _simulated_stage_io(spec: ModelSpec, options: ParallelOptions, dims: ParallelDims,
+                        precision: Optional[Precision]):
     """Under the fake backend (a simulated job) the stages' shapes come from the family's plan, not from peers."""
     if dist.get_backend() != "fake" or spec.plan.stage_io is None:
         return None
     compute = precision.compute_dtype if precision is not None else torch.float32
     # FSDP's mixed precision hands 16-bit activations on; plain autocast keeps the fp32 residual stream
     hidden = compute if dims.dp > 1 else torch.float32
-    shapes = StageShapes(rows=cfg.data.micro_bsz, seq_len=cfg.data.seq_len, tp=dims.tp,
-                         sequence_parallel=cfg.parallel.sequence_parallel, parallel_output=cfg.model.parallel_output,
+    shapes = StageShapes(rows=options.micro_bsz, seq_len=options.seq_len, tp=dims.tp,
+                         sequence_parallel=options.sequence_parallel, parallel_output=options.parallel_output,
                          hidden_dtype=hidden, logits_dtype=compute)
-    args = spec.build_args(cfg, "sdpa")
-    num_stages = dims.pp * cfg.model.num_chunks
+    args = spec.build_args(options.inputs, "sdpa")
+    num_stages = dims.pp * options.num_chunks
     return lambda stage: spec.plan.stage_io(args, stage, num_stages, shapes)
 
 
@@ -98,4 +159,5 @@ def __getattr__(name: str):
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
-__all__ = ["CommCounter", "PipelineParallel", "apply_fsdp", "mixed_precision_policy", "checkpoint_and_compile", "parallelize_model", "split_model"]
+__all__ = ["CommCounter", "ParallelOptions", "PipelineParallel", "apply_family_dims", "apply_fsdp", "family_dims",
+           "parallel_options", "mixed_precision_policy", "checkpoint_and_compile", "parallelize_model", "split_model"]

@@ -34,11 +34,38 @@ def apply_fsdp(blocks: list[nn.Module], roots: list[nn.Module], dims: ParallelDi
     reshard_after_forward: free the gathered block parameters after forward (ZeRO-3 memory); pipeline
     parallel passes False, since every micro-batch's backward would gather them again.
     """
-    mesh = dims.mesh
-    dp_mesh = mesh["dp_replicate", "dp_shard"] if dims.dp_replicate > 1 else mesh["dp_shard"]
+    dp_mesh = _data_mesh(dims, "dp_shard")
     mp = mp_policy or MixedPrecisionPolicy()
     for block in blocks:
         fully_shard(block, mesh=dp_mesh, reshard_after_forward=reshard_after_forward, mp_policy=mp)
     for root in roots:
         # the root's own parameters (embedding, norm, output) are used first thing in backward: keep them gathered
         fully_shard(root, mesh=dp_mesh, reshard_after_forward=False, mp_policy=mp)
+
+
+def _data_mesh(dims: ParallelDims, shard: str):
+    """The data-parallel mesh FSDP shards over: `shard` ("dp_shard", or "dp_shard_rest" for the modules a
+    family's own dimension sharded), with the replicas as an outer dimension (HSDP)."""
+    if dims.dp_replicate > 1:
+        return dims.mesh["dp_replicate", shard]
+    return dims.submesh(shard)
+
+
+def apply_fsdp_to_dim_modules(modules: list[nn.Module], dims: ParallelDims, reshard_after_forward: bool = True,
+                              mp_policy: Optional[MixedPrecisionPolicy] = None) -> None:
+    """FSDP for the modules a family's own dimension sharded (model.MeshDim), before the blocks that hold them:
+    sharded over the remaining data-parallel ranks only (their parameters already differ along the family's
+    dimension), their gradients averaged over every data-parallel rank (the forward combined the family
+    dimension's tokens, so each gradient already sums its ranks' contributions: FSDP divides by dp, not by the
+    ranks it reduces over; sums with separate scaling, which every backend supports)."""
+    if not modules:
+        return
+    mesh = _data_mesh(dims, "dp_shard_rest")
+    mp = mp_policy or MixedPrecisionPolicy()
+    for module in modules:
+        fully_shard(module, mesh=mesh, reshard_after_forward=reshard_after_forward, mp_policy=mp)
+        module.set_gradient_divide_factor(float(dims.dp))
+        if mesh.size() > 1:
+            # plain sums, then one division: gloo has no PREMUL_SUM. (On one rank FSDP divides by the factor
+            # without a collective; forcing sums there would divide twice, torch 2.13.)
+            module.set_force_sum_reduction_for_comms(True)

@@ -8,8 +8,9 @@ import os
 import platform
 import socket
 import sys
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
@@ -21,11 +22,12 @@ from ..loss import FlashGPTLMLoss
 from ..metrics import AccPerplex, Throughput
 from ..monitor import (AlertManager, MemoryProfiler, RestartReporter, build_loss_health, build_profiler,
                        build_stop_controller, build_straggler_monitor, build_watchdog)
-from ..model import build_model, count_parameters, model_args_from_config, model_flops_per_token, model_spec
+from ..model import ModelInputs, build_model, count_parameters, model_args, model_flops_per_token, model_spec
 from ..numerics import Kernels, Precision, resolve_precision, select_kernels
 from ..optim import Beta2Scheduler, DynamicGradScaler, WarmupCosineLR, build_optimizer
-from ..parallel import CommCounter, parallelize_model
+from ..parallel import CommCounter, family_dims, parallel_options, parallelize_model
 from ..utils.logging import get_logger
+from ..utils.memory import keep_freed_cpu_memory, return_large_freed_cpu_memory
 from ..utils.peak import device_peak_flops
 from ..utils.timer import Timers
 from ..utils.writer import MetricsWriter
@@ -122,60 +124,144 @@ def build_monitors(cfg: Config, launch: LaunchInfo, dims: ParallelDims, run_dir:
     return {name: cb for name, cb in callbacks.items() if cb is not None}
 
 
-def build_checkpoint_manager(cfg: Config, trainer: Trainer, launch: LaunchInfo, monitors: dict[str, TrainerCallback],
-                             alerts: Optional[AlertManager] = None) -> CheckpointManager:
-    """The one place where everything that must survive a restart is registered (content names are
-    load_ckpt_info's: model, optimizer, scheduler, sampler)."""
+def build_checkpoint_manager(cfg: Config, parts: StatefulParts, launch: LaunchInfo, dims: ParallelDims,
+                             run_dir: Path, alerts: Optional[AlertManager] = None) -> CheckpointManager:
+    """The manager with its final run folder (named in the folder's lease) and the one place where everything that
+    must survive a restart is registered (content names are load_ckpt_info's: model, optimizer, scheduler,
+    sampler)."""
     ckpt = CheckpointManager(cfg.ckpt, rank=launch.rank, world_size=launch.world_size, local_rank=launch.local_rank,
-                             dims=trainer.dims, config_text=dump_yaml(cfg), alerts=alerts)
-    ckpt.register_model(trainer.model, trainer.optimizer, model_type=cfg.model_type)
-    ckpt.register("grad_scaler", trainer.grad_scaler, content="optimizer")  # None (skipped) unless fp16
-    ckpt.register("lr_scheduler", trainer.lr_scheduler, content="scheduler")
-    ckpt.register("beta2_scheduler", trainer.beta2_scheduler, content="scheduler")
-    ckpt.register("train_state", trainer.state, content="sampler")
-    ckpt.register("data", trainer.train_loader, content="sampler", scope="dp_rank")
+                             dims=dims, config_text=dump_yaml(cfg), alerts=alerts, run_dir=run_dir)
+    ckpt.register_model(parts.model, parts.optimizer, model_type=cfg.model_type)
+    ckpt.register("grad_scaler", parts.grad_scaler, content="optimizer")  # None (skipped) unless fp16
+    ckpt.register("lr_scheduler", parts.lr_scheduler, content="scheduler")
+    ckpt.register("beta2_scheduler", parts.beta2_scheduler, content="scheduler")
+    ckpt.register("train_state", parts.state, content="sampler")
+    ckpt.register("data", parts.train_loader, content="sampler", scope="dp_rank")
     ckpt.register("rng", RNGState(), content="sampler", scope="rank", strict=False)
     # the spike detector's running mean: without it a resumed run would take its first loss as the baseline
-    ckpt.register("loss_health", monitors.get("loss_health"), content="sampler", strict=False)
+    ckpt.register("loss_health", parts.loss_health, content="sampler", strict=False)
     # batches to skip, with those a spike rewind added (a restart skips them too), and the rewinds done so far
-    ckpt.register("batch_skipper", trainer.batch_skipper, content="sampler", strict=False)
-    rewind = build_spike_rewind(cfg.monitor, ckpt, monitors.get("loss_health"), trainer.batch_skipper)
-    ckpt.register("spike_rewind", rewind, content="sampler", strict=False)
-    monitors["spike_rewind"] = rewind  # added to the callbacks after the checkpoint callback
-    ckpt.run_dir = str(trainer.run_dir)  # named in the folder's lease
+    ckpt.register("batch_skipper", parts.batch_skipper, content="sampler", strict=False)
     return ckpt
+
+
+@dataclass(frozen=True)
+class StatefulParts:
+    """Everything a checkpoint holds, built before the manager that registers it."""
+
+    model: torch.nn.Module
+    optimizer: torch.optim.Optimizer
+    grad_scaler: Optional[DynamicGradScaler]
+    lr_scheduler: WarmupCosineLR
+    beta2_scheduler: Beta2Scheduler
+    state: TrainState
+    train_loader: Any
+    batch_skipper: BatchSkipper
+    loss_health: Optional[TrainerCallback]
+
+
+def order_callbacks(monitors: dict[str, TrainerCallback], checkpoint: CheckpointCallback,
+                    rewind: Optional[TrainerCallback], extra: list[TrainerCallback]) -> CallbackList:
+    """The callbacks in their declared order (CALLBACK_ORDER): the stop controller before the checkpoint callback
+    (a save it requests at this step is taken); loss health before the checkpoint callback (no save while the loss
+    is unhealthy); the spike rewind after the save; a driver's own callbacks last (they observe the final state
+    of each event)."""
+    named = {**monitors, "checkpoint": checkpoint, "spike_rewind": rewind}
+    unknown = set(named) - set(CALLBACK_ORDER)
+    if unknown:
+        raise ValueError(f"callbacks {sorted(unknown)} have no place in CALLBACK_ORDER")
+    ordered = [named[name] for name in CALLBACK_ORDER if named.get(name) is not None]
+    return CallbackList([*ordered, *extra])
+
+
+CALLBACK_ORDER = ("stop", "loss_health", "watchdog", "straggler", "profiler", "memory", "restart", "checkpoint",
+                  "spike_rewind")
+
+
+def choose_cpu_allocator(device: torch.device, dims: ParallelDims, simulated: bool) -> None:
+    """How glibc treats freed tensor memory on a CPU run (utils/memory.py says why and what each costs): sharded
+    data parallel returns large freed blocks at once, other runs keep freed memory for reuse; a simulated rank
+    was set to follow live tensors by trainer/simulate.py and is left alone."""
+    if device.type != "cpu" or simulated:
+        return
+    if dims.dp_shard > 1:
+        if return_large_freed_cpu_memory():
+            logger.info("CPU allocator: freed blocks of 1 MiB or more go back to the OS at once (sharded data "
+                        "parallel)")
+    elif keep_freed_cpu_memory():
+        logger.info("CPU allocator: freed tensor memory is kept for reuse (glibc mmap and trim off)")
 
 
 def build_trainer(cfg: Config, launch: LaunchInfo, run_dir: Path, seed: Optional[int] = None,
                   extra_callbacks: Optional[list[TrainerCallback]] = None, alerts: Optional[AlertManager] = None,
                   profiling: bool = False) -> Trainer:
-    """Build every component of a run; loading a checkpoint (if any) is left to `CheckpointManager`."""
+    """Assemble one run, completely, in this order: numerics and layout; model (sharded before it is materialized)
+    and its pipeline; optimizer and schedules; data; the loop's instruments; monitors; the checkpoint manager with
+    everything stateful registered and its lease; the resume (auto_resume / load_ckpt_info); the metrics writer
+    (after the resume: a resumed run writes on where its checkpoint says); the callbacks in their declared order.
+    The Trainer is constructed last, from finished parts."""
     seed = cfg.seed if seed is None else seed
+    simulated = launch.launcher == "simulate"
     for line in compat_lines(cfg):  # InternLM/InternEvo keys kept for compatibility only, forms translated
         logger.info(line)
     precision = resolve_precision(cfg.model.dtype, launch.device)
     setup_numerics(cfg, seed, precision)
-    dims = ParallelDims.from_config(cfg.parallel, launch.world_size)
+    inputs = cfg.model_inputs()
+    dims = ParallelDims.from_config(cfg.parallel, launch.world_size, extra=family_dims(model_spec(inputs), cfg.parallel))
     dims.build_mesh(launch.device.type)
     kernels = build_kernels(cfg, precision, launch.device, dims)
     write_run_files(cfg, run_dir, launch)
 
-    # sharded before it is materialized: no rank holds the whole model
-    model = build_model(cfg, "meta", attn_backend=kernels.attention)
-    n_params = count_parameters(model)
-    model, pipeline = parallelize_model(model, model_spec(cfg), cfg, dims, launch.device, seed=seed,
-                                        precision=precision, grad_reduce=kernels.grad_reduce)
-    args = model_args_from_config(cfg, launch.device.type, attn_backend=kernels.attention)
-    logger.info(f"model {cfg.model_type}: {n_params:,} parameters, {cfg.model.num_layers} layers, "
-                f"hidden {cfg.model.hidden_size}, attention {getattr(args, 'attn_backend', '-')}, dtype {cfg.model.dtype}; "
-                f"layout dp={dims.dp} (shard {dims.dp_shard} x replicate {dims.dp_replicate}) "
-                f"tp={dims.tp} pp={dims.pp} on {launch.world_size} process(es), {launch.device}")
-
+    model, pipeline, args = build_parallel_model(inputs, cfg, dims, launch, seed, precision, kernels)
     optimizer = build_optimizer(model, cfg.adam, kernels.optimizer)
     lr_scheduler, beta2_scheduler = build_schedulers(cfg, optimizer)
     train_loader, valid_loaders = build_data(cfg, dims)
-
     state = TrainState(tensorboard_folder=str(run_dir / "tensorboard"))
+    batch_skipper = BatchSkipper(cfg.data.skip_batches)
+    grad_scaler = build_grad_scaler(cfg, precision)
+    metric_hook, throughput = build_instruments(cfg, launch, dims, kernels, precision, args, train_loader)
+
+    monitors = build_monitors(cfg, launch, dims, run_dir, alerts, profiling)
+    parts = StatefulParts(model, optimizer, grad_scaler, lr_scheduler, beta2_scheduler, state, train_loader,
+                          batch_skipper, monitors.get("loss_health"))
+    ckpt = build_checkpoint_manager(cfg, parts, launch, dims, run_dir, alerts)
+    rewind = build_spike_rewind(cfg.monitor, ckpt, monitors.get("loss_health"), batch_skipper)
+    ckpt.register("spike_rewind", rewind, content="sampler", strict=False)
+    ckpt.resume()  # auto_resume / load_ckpt_info; takes the folder's lease
+    writer = MetricsWriter(run_dir, active=launch.rank == 0 or simulated, log_every=cfg.monitor.log_every,
+                           tensorboard_dir=state.tensorboard_folder if cfg.monitor.tensorboard else None)
+    callbacks = order_callbacks(monitors, CheckpointCallback(ckpt, health=monitors.get("loss_health")), rewind,
+                                list(extra_callbacks or []))
+    choose_cpu_allocator(launch.device, dims, simulated)
+    logger.info(f"run folder {run_dir} on {socket.gethostname()}")
+    return Trainer(
+        loop=LoopConfig.from_config(cfg, dims.tp, simulated=simulated), model=model, pipeline=pipeline,
+        loss_fn=build_loss(cfg, kernels), precision=precision, kernels=kernels, optimizer=optimizer,
+        lr_scheduler=lr_scheduler, beta2_scheduler=beta2_scheduler, grad_scaler=grad_scaler,
+        train_loader=train_loader, valid_loaders=valid_loaders, batch_skipper=batch_skipper, state=state, dims=dims,
+        device=launch.device, run_dir=run_dir, rank=launch.rank, world_size=launch.world_size,
+        metric_hook=metric_hook, throughput=throughput, comm=CommCounter.attach(model) if dims.dp_shard > 1 else None,
+        writer=writer, checkpoint_manager=ckpt, callbacks=callbacks)
+
+
+def build_parallel_model(inputs: ModelInputs, cfg: Config, dims: ParallelDims, launch: LaunchInfo, seed: int,
+                         precision: Precision, kernels: Kernels):
+    """(model, pipeline, args): built on the meta device, then split, sharded and only then materialized (no rank
+    holds the whole model), by the family's plan."""
+    model = build_model(inputs, "meta", attn_backend=kernels.attention)
+    n_params = count_parameters(model)
+    model, pipeline = parallelize_model(model, model_spec(inputs), parallel_options(cfg), dims, launch.device,
+                                        seed=seed, precision=precision, grad_reduce=kernels.grad_reduce)
+    args = model_args(inputs, launch.device.type, attn_backend=kernels.attention)
+    logger.info(f"model {cfg.model_type}: {n_params:,} parameters, {cfg.model.num_layers} layers, "
+                f"hidden {cfg.model.hidden_size}, attention {getattr(args, 'attn_backend', '-')}, dtype {cfg.model.dtype}; "
+                f"layout {dims.describe()} on {launch.world_size} process(es), {launch.device}")
+    return model, pipeline, args
+
+
+def build_instruments(cfg: Config, launch: LaunchInfo, dims: ParallelDims, kernels: Kernels, precision: Precision,
+                      args: Any, train_loader: Any) -> tuple[SchedulerMetricHook, Throughput]:
+    """The loop's own timers and training metric (SchedulerMetricHook) and its throughput / MFU meter."""
     # MFU's denominator is the peak of the GEMM the linear layers run: fp32's where 16-bit layers multiply in fp32
     peak = device_peak_flops(launch.device, torch.float32 if kernels.linear == "fp32_gemm" else precision.compute_dtype,
                              tf32=precision.tf32)
@@ -184,25 +270,4 @@ def build_trainer(cfg: Config, launch: LaunchInfo, run_dir: Path, seed: Optional
     type_names = getattr(train_loader, "type_names", None) or {}
     # summed over data parallel x pipeline: each micro-batch counted once (only the last stage has outputs)
     metric = AccPerplex(type_names, dims.group("pp_dp") if dims.dp * dims.pp > 1 else None)
-    monitors = build_monitors(cfg, launch, dims, run_dir, alerts, profiling)
-    callbacks = [SchedulerMetricHook(timers, metric), *monitors.values(), *(extra_callbacks or [])]
-    trainer = Trainer(
-        loop=LoopConfig.from_config(cfg, dims.tp), model=model, loss_fn=build_loss(cfg, kernels), optimizer=optimizer, lr_scheduler=lr_scheduler,
-        beta2_scheduler=beta2_scheduler, grad_scaler=build_grad_scaler(cfg, precision), train_loader=train_loader,
-        valid_loaders=valid_loaders, state=state, dims=dims, device=launch.device, run_dir=run_dir,
-        rank=launch.rank, world_size=launch.world_size, throughput=throughput, timers=timers,
-        train_metric=metric, callbacks=CallbackList(callbacks),
-        batch_skipper=BatchSkipper(cfg.data.skip_batches), pipeline=pipeline, precision=precision, kernels=kernels,
-        comm=CommCounter.attach(model) if dims.dp_shard > 1 else None)
-    trainer.checkpoint_manager = build_checkpoint_manager(cfg, trainer, launch, monitors, alerts)
-    # after the stop controller; no save while the loss is unhealthy; a spike rewind after the save
-    trainer.callbacks.add(CheckpointCallback(trainer.checkpoint_manager, health=monitors.get("loss_health")))
-    if monitors.get("spike_rewind") is not None:
-        trainer.callbacks.add(monitors["spike_rewind"])
-    trainer.checkpoint_manager.resume()  # auto_resume / load_ckpt_info
-    # opened after the resume: a resumed run writes on in the TensorBoard folder its checkpoint names
-    trainer.writer = MetricsWriter(run_dir, active=launch.rank == 0 or launch.launcher == "simulate",
-                                   log_every=cfg.monitor.log_every,
-                                   tensorboard_dir=state.tensorboard_folder if cfg.monitor.tensorboard else None)
-    logger.info(f"run folder {run_dir} on {socket.gethostname()}")
-    return trainer
+    return SchedulerMetricHook(timers, metric), throughput

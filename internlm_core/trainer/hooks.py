@@ -1,39 +1,37 @@
-"""SchedulerMetricHook (InternLM's name): times each micro-batch's phases and feeds the training metric."""
+"""SchedulerMetricHook (InternLM's name): the loop's own per-micro-batch instrument, phase timers and the training
+metric. The loop calls it directly: training acc/ppl and the fwd/cal_loss/bwd times never depend on which
+callbacks a run has (callbacks observe the same events through `CallbackList`)."""
 
 from __future__ import annotations
 
-from typing import Any, Optional
+import contextlib
+from typing import Iterator, Optional
 
-from ..callbacks import TrainerCallback
+import torch
+
 from ..metrics import AccPerplex
 from ..utils.timer import Timers
 
 
-class SchedulerMetricHook(TrainerCallback):
-    """Times forward ("fwd"), loss ("cal_loss") and backward ("bwd") and feeds AccPerplex."""
+class SchedulerMetricHook:
+    """Times forward ("fwd"), loss ("cal_loss"), backward ("bwd") and a pipeline step ("fwd_bwd") in `timers`,
+    and feeds each training micro-batch's outputs to `metric` (AccPerplex: the step's acc/ppl per type)."""
 
-    def __init__(self, timers: Timers, metric: Optional[AccPerplex] = None):
+    PHASES = ("fwd", "cal_loss", "bwd", "fwd_bwd")
+
+    def __init__(self, timers: Timers, metric: AccPerplex):
         self.timers = timers
         self.metric = metric
 
-    def on_before_forward(self, trainer: Any) -> None:
-        self.timers.start("fwd")
+    @contextlib.contextmanager
+    def phase(self, name: str) -> Iterator[None]:
+        """Time one phase of a micro-batch (or of a whole pipeline step)."""
+        if name not in self.PHASES:
+            raise ValueError(f"unknown phase {name!r}; expected one of {self.PHASES}")
+        with self.timers(name):
+            yield
 
-    def on_after_forward(self, trainer: Any) -> None:
-        self.timers.stop("fwd")
-
-    def on_before_criterion(self, trainer: Any) -> None:
-        self.timers.start("cal_loss")
-
-    def on_after_criterion(self, trainer: Any) -> None:
-        self.timers.stop("cal_loss")
-
-    def on_before_backward(self, trainer: Any) -> None:
-        self.timers.start("bwd")
-
-    def on_after_backward(self, trainer: Any) -> None:
-        self.timers.stop("bwd")
-
-    def on_micro_batch_end(self, trainer, logits, labels, type_ids, token_losses, predictions) -> None:
-        if self.metric is not None:
-            self.metric.update(logits, labels, type_ids, token_losses, predictions)
+    def record(self, logits: torch.Tensor, labels: torch.Tensor, type_ids: Optional[torch.Tensor],
+               token_losses: Optional[torch.Tensor], predictions: Optional[torch.Tensor]) -> None:
+        """One training micro-batch's outputs into the step's metric."""
+        self.metric.update(logits, labels, type_ids, token_losses, predictions)

@@ -65,8 +65,6 @@ def simulate(cfg: Config, world_size: int, rank: int, run_dir: Path, seed: Optio
     predicted_est = estimate(cfg, world_size, device="cpu", pipeline_rank=trainer.dims.pp_rank,
                              runtime_bytes=runtime)
     predicted, comm_predicted = predicted_est.memory.total, predicted_est.communication
-    # no validation: a forward-only pass needs less memory than a training step, and on a CPU it costs minutes
-    trainer.loop = dataclasses.replace(trainer.loop, simulated=True, valid_every=0, validate_at_end=False)
     trainer.train()
     for module in trainer.model.modules():  # a pipeline stage may still hold its gathered weights: count shards
         if isinstance(module, FSDPModule):

@@ -6,7 +6,7 @@ import contextlib
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterable, Iterator, Optional
+from typing import TYPE_CHECKING, Any, Iterable, Iterator, Optional
 
 import torch
 import torch.distributed as dist
@@ -17,15 +17,20 @@ from ..errors import DataError
 from ..loss import FlashGPTLMLoss
 from ..metrics import AccPerplex, Throughput
 from ..model import document_ids_from_cu_seqlens
-from ..numerics import Kernels, Precision, resolve_precision
+from ..numerics import Kernels, Precision
 from ..optim import Beta2Scheduler, DynamicGradScaler, WarmupCosineLR, clip_and_check
 from ..utils.logging import get_logger
-from ..utils.memory import keep_freed_cpu_memory, return_large_freed_cpu_memory
 from ..utils.timer import Timers
 from ..utils.transfer import to_device
 from ..utils.writer import MetricsWriter
 from ..callbacks import CallbackList
+from ..checkpoint import CheckpointManager
+from ..parallel import CommCounter
+from .hooks import SchedulerMetricHook
 from .state import BatchSkipper, TrainState
+
+if TYPE_CHECKING:
+    from ..parallel.pipeline import PipelineParallel
 
 logger = get_logger(__name__)
 
@@ -58,46 +63,54 @@ class LoopConfig:
     simulated: bool = False
 
     @classmethod
-    def from_config(cls, cfg, tp: int) -> "LoopConfig":
+    def from_config(cls, cfg, tp: int, simulated: bool = False) -> "LoopConfig":
+        """The loop's view of `cfg`. A simulated rank skips validation: a forward-only pass needs less memory
+        than a training step, and on a CPU it costs minutes."""
         d = cfg.data
         return cls(seq_len=d.seq_len, vocab_size=cfg.model.vocab_size, total_steps=d.total_steps,
-                   micro_num=d.micro_num, packed_length=d.packed_length, valid_every=d.valid_every,
+                   micro_num=d.micro_num, packed_length=d.packed_length,
+                   valid_every=0 if simulated else d.valid_every,
                    clip_grad_norm=cfg.hybrid_zero_optimizer.clip_grad_norm, dtype=cfg.model.dtype,
                    label_smoothing=cfg.loss.label_smoothing,
                    vocab_parallel_loss=tp > 1 and cfg.model.parallel_output,
-                   validate_at_end=d.valid_every > 0 or d.valid_folder is not None)
+                   validate_at_end=not simulated and (d.valid_every > 0 or d.valid_folder is not None),
+                   simulated=simulated)
 
 
 @dataclass
 class Trainer:
-    """Everything one run needs, built by `build_trainer`; `train()` runs the loop."""
+    """One assembled run (`trainer.build.build_trainer` builds every field, resumes, then constructs it);
+    `train()` runs the loop. Every field is finished when the trainer exists: nothing is attached later."""
 
     loop: LoopConfig
+    # what is trained, and how it is computed
     model: torch.nn.Module
+    pipeline: Optional[PipelineParallel]  # parallel.pipeline > 1: runs this rank's stages; else None
     loss_fn: FlashGPTLMLoss
+    precision: Precision                  # autocast
+    kernels: Kernels                      # numerics.select_kernels: when FSDP reduces gradients (grad_reduce)
     optimizer: torch.optim.Optimizer
     lr_scheduler: WarmupCosineLR
     beta2_scheduler: Beta2Scheduler
     grad_scaler: Optional[DynamicGradScaler]
+    # data and progress
     train_loader: Any
     valid_loaders: dict[str, Iterable]
+    batch_skipper: BatchSkipper
     state: TrainState
+    # where this rank is
     dims: ParallelDims
     device: torch.device
     run_dir: Path
     rank: int
     world_size: int
+    # the loop's own instruments: timers, the training metric, throughput, communication counter, writer
+    metric_hook: SchedulerMetricHook
     throughput: Throughput
-    timers: Timers
-    train_metric: AccPerplex
-    callbacks: CallbackList
-    batch_skipper: BatchSkipper
-    writer: Optional[MetricsWriter] = None  # opened by build_trainer after any resume
-    checkpoint_manager: Any = None
-    pipeline: Any = None  # parallel.PipelineParallel when parallel.pipeline > 1: runs this rank's stages
-    precision: Optional[Precision] = None  # autocast; default resolve_precision(loop.dtype, device)
-    kernels: Optional[Kernels] = None      # numerics.select_kernels: when FSDP reduces gradients (grad_reduce)
-    comm: Any = None  # parallel.CommCounter under FSDP: bytes gathered and reduced per step (comm/* metrics)
+    comm: Optional[CommCounter]           # under FSDP: bytes gathered and reduced per step (comm/* metrics)
+    writer: MetricsWriter                 # opened after any resume (a resumed run writes on where it stopped)
+    checkpoint_manager: CheckpointManager  # registered, lease taken, resume done
+    callbacks: CallbackList               # observers and steerers, in the order build_trainer declares
     stop_request: StopRequest = field(default_factory=StopRequest)
     last_metrics: dict = field(default_factory=dict)
     _step_end: float = 0.0  # perf_counter at the end of the last step: the start of the next step's time
@@ -105,9 +118,13 @@ class Trainer:
 
     # ---- pieces of one step -------------------------------------------------------------------
 
-    def __post_init__(self) -> None:
-        if self.precision is None:
-            self.precision = resolve_precision(self.loop.dtype, self.device)
+    @property
+    def timers(self) -> Timers:
+        return self.metric_hook.timers
+
+    @property
+    def train_metric(self) -> AccPerplex:
+        return self.metric_hook.metric
 
     def autocast(self) -> contextlib.AbstractContextManager:
         return self.precision.autocast()
@@ -154,24 +171,31 @@ class Trainer:
 
     def _forward_backward(self, batch: dict, n: int, scale: float, forward_only: bool) -> torch.Tensor:
         total = torch.zeros((), device=self.device)
+        hook, fire = self.metric_hook, self.callbacks.fire
         for i, mb in enumerate(self._micro_batches(batch, n)):
             last = i == n - 1
             if not forward_only and hasattr(self.model, "set_requires_gradient_sync"):
                 self._gradient_sync(last)
             with self.autocast():
-                self.callbacks.fire("on_before_forward", self)
-                logits = self.model(mb["input_ids"], mb["position_ids"], mb["cu_seqlens"])
-                self.callbacks.fire("on_after_forward", self)
-                self.callbacks.fire("on_before_criterion", self)
-                loss, side = self.loss_fn(logits, mb["labels"])
-                self.callbacks.fire("on_after_criterion", self)
-            self.callbacks.fire("on_micro_batch_end", self, logits.detach(), mb["labels"], mb["type_ids"],
-                                side.token_losses, side.predictions)
+                fire("on_before_forward", self)
+                with hook.phase("fwd"):
+                    logits = self.model(mb["input_ids"], mb["position_ids"], mb["cu_seqlens"])
+                fire("on_after_forward", self)
+                fire("on_before_criterion", self)
+                with hook.phase("cal_loss"):
+                    loss, side = self.loss_fn(logits, mb["labels"])
+                fire("on_after_criterion", self)
+            logits = logits.detach()
+            hook.record(logits, mb["labels"], mb["type_ids"], side.token_losses, side.predictions)
+            fire("on_micro_batch_end", self, logits, mb["labels"], mb["type_ids"], side.token_losses,
+                 side.predictions)
+            del logits, side  # not alive during the next micro-batch's forward
             total += loss.detach()
             if not forward_only:
-                self.callbacks.fire("on_before_backward", self)
-                (loss * (scale / n)).backward()
-                self.callbacks.fire("on_after_backward", self)
+                fire("on_before_backward", self)
+                with hook.phase("bwd"):
+                    (loss * (scale / n)).backward()
+                fire("on_after_backward", self)
         return total / n
 
     def _gradient_sync(self, last: bool) -> None:
@@ -196,20 +220,22 @@ class Trainer:
         """One step through torch.distributed.pipelining: the last stage computes each micro-batch's loss
         and feeds the metrics; gradients are divided by n there, as `loss / n` does above."""
         losses: list[torch.Tensor] = []
+        hook, fire = self.metric_hook, self.callbacks.fire
 
         def criterion(logits: torch.Tensor, labels: torch.Tensor, type_ids: torch.Tensor, record: bool) -> torch.Tensor:
-            if record:
-                self.callbacks.fire("on_before_criterion", self)
-            loss, side = self.loss_fn(logits, labels)
-            if record:
-                self.callbacks.fire("on_after_criterion", self)
-                self.callbacks.fire("on_micro_batch_end", self, logits.detach(), labels, type_ids,
-                                    side.token_losses, side.predictions)
-                losses.append(loss.detach())
+            if not record:
+                return self.loss_fn(logits, labels)[0] * scale
+            fire("on_before_criterion", self)
+            with hook.phase("cal_loss"):
+                loss, side = self.loss_fn(logits, labels)
+            fire("on_after_criterion", self)
+            hook.record(logits.detach(), labels, type_ids, side.token_losses, side.predictions)
+            fire("on_micro_batch_end", self, logits.detach(), labels, type_ids, side.token_losses, side.predictions)
+            losses.append(loss.detach())
             return loss * scale
 
         x = self._pipeline_inputs(batch, n)
-        with self.autocast(), self.timers("fwd_bwd"):
+        with self.autocast(), hook.phase("fwd_bwd"):
             self.pipeline.train_step(x["input_ids"], x["labels"], x["type_ids"], x["position_ids"],
                                      x["document_ids"], criterion)
         if not losses:
@@ -294,18 +320,6 @@ class Trainer:
     def train(self) -> TrainState:
         """Train until `data.total_steps` batches are done or a stop is requested."""
         loop, st = self.loop, self.state
-        # a simulated rank measures memory: its allocator was set to follow the live tensors (trainer/simulate.py).
-        # Sharded data parallel exists to hold less: a heap that keeps every freed block (FSDP's gathered weights
-        # and unsharded gradients come and go every layer) grows back to the unsharded size (measured: a 559M model
-        # on 2 ranks peaks at 9.46 GiB per rank keeping freed memory, 5.93 with glibc's defaults, 5.26 with this;
-        # 9.34 in one process): blocks of 1 MiB and more go back to the OS when freed.
-        if self.device.type == "cpu" and not loop.simulated:
-            if self.dims.dp_shard > 1:
-                if return_large_freed_cpu_memory():
-                    logger.info("CPU allocator: freed blocks of 1 MiB or more go back to the OS at once (sharded "
-                                "data parallel)")
-            elif keep_freed_cpu_memory():
-                logger.info("CPU allocator: freed tensor memory is kept for reuse (glibc mmap and trim off)")
         self.callbacks.fire("on_train_start", self)
         train_iter = iter(self.train_loader)
         logger.info(f"training from batch {st.batch_count} to {loop.total_steps} "

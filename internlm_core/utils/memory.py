@@ -120,7 +120,9 @@ def return_large_freed_cpu_memory(threshold: int = 2**20) -> bool:
     """Make glibc map every block of `threshold` bytes or more on its own and unmap it when freed (glibc's own
     threshold floats up to 32 MiB): large tensors that come and go (FSDP's gathered weights and unsharded
     gradients) go back to the OS at once instead of fragmenting the heap, while small ones (activations of a
-    micro-batch) are reused from it. For sharded data parallel. Same conditions as `keep_freed_cpu_memory`."""
+    micro-batch) are reused from it. For sharded data parallel: a heap that keeps every freed block grows back
+    to the unsharded size (measured: a 559M model on 2 ranks peaks at 9.46 GiB per rank keeping freed memory,
+    5.93 with glibc's defaults, 5.26 with this; 9.34 in one process). Same conditions as `keep_freed_cpu_memory`."""
     mallopt = _mallopt()
     if mallopt is None:
         return False

@@ -30,7 +30,7 @@ def train_args(run: Path, ckpt: Path, *extra: str) -> list[str]:
 
 
 def test_two_ranks_sigkill_then_auto_resume_is_bitwise(tmp_path):
-    from internlm_core.checkpoint.faults import ENV as FAULT_ENV
+    from tests.helpers.ckpt_faults import ENV as FAULT_ENV
     ref = run_train(train_args(tmp_path / "ref", tmp_path / "ref_ckpt"), nproc=2)
     assert ref.returncode == 0, output(ref)
     ref_loss = {r["step"]: r["loss"] for r in read_metrics(tmp_path / "ref")}
@@ -38,6 +38,7 @@ def test_two_ranks_sigkill_then_auto_resume_is_bitwise(tmp_path):
 
     ckpt = tmp_path / "ckpt"
     p = run_train(train_args(tmp_path / "killed", ckpt), nproc=2, extra_env={FAULT_ENV: f"kill_after_commit@{KILL}"},
+                  script="tests/helpers/ckpt_faults.py",
                   fresh=True)  # torchrun, as users meet it: it reports the killed worker
     assert p.returncode != 0 and "Signal 9 (SIGKILL)" in p.stdout + p.stderr, output(p)
     saved = ckpt / str(KILL)

@@ -45,3 +45,43 @@ def test_toy_family_trains_the_same_under_dp2_and_tp2(tmp_path):
         assert len(other) == STEPS
         for step, (a, b) in enumerate(zip(single, other), 1):
             assert abs(a - b) <= 1e-5 * max(1.0, abs(a)), (name, step, a, b)
+
+
+def test_family_with_its_own_parallel_dimension_trains_the_same(tmp_path):
+    """TOY_GROUPED adds the mesh dimension "vg" (`parallel.vocab_groups`): its embedding rows are sharded over
+    data-parallel ranks that read different batches. The framework carves the dimension out of the data-parallel
+    ranks, FSDP-shards the rest of the model over all of them and the embedding over what remains, and the run
+    equals one process (fp32, the same global batch of 4 micro-batches)."""
+    grouped = ["model_type=TOY_GROUPED", "parallel.zero1=-1"]
+    single = _losses(tmp_path, "one", 1, [*grouped, "data.micro_num=4"])
+    assert len(single) == STEPS and single[-1] < single[0]
+    vg2 = _losses(tmp_path, "vg2", 2, [*grouped, "parallel.vocab_groups=2", "data.micro_num=2"])
+    vg2_dp4 = _losses(tmp_path, "vg2_dp4", 4, [*grouped, "parallel.vocab_groups=2", "data.micro_num=1"])
+    for name, other in (("vg2", vg2), ("vg2 of dp4", vg2_dp4)):
+        assert len(other) == STEPS
+        for step, (a, b) in enumerate(zip(single, other), 1):
+            assert abs(a - b) <= 1e-5 * max(1.0, abs(a)), (name, step, a, b)
+
+
+def test_family_dimension_errors_name_the_key():
+    from internlm_core.config import load_config
+    from internlm_core.distributed import ParallelDims
+    from internlm_core.parallel import family_dims
+    register()
+    try:
+        cfg = load_config("configs/tiny.py", ["model_type=TOY_GROUPED", "parallel.vocab_groups=2"])
+        assert cfg.parallel.dims == {"vocab_groups": 2}
+        spec = cfg.model_inputs()
+        from internlm_core.model import get_model_spec
+        dims = family_dims(get_model_spec(spec.model_type), cfg.parallel)
+        assert dims == (("vg", 2),)
+        assert ParallelDims(world_size=4, extra=dims).dp_shard_rest == 2
+        with pytest.raises(ConfigError, match=r"parallel dimensions \(vg 2\) must divide the sharded data-parallel "
+                                              r"size 1"):
+            ParallelDims(world_size=2, tp=2, extra=dims)
+        # another family has no such dimension: the key is unknown there
+        with pytest.raises(ConfigError, match=r"parallel.vocab_groups"):
+            load_config("configs/tiny.py", ["parallel.vocab_groups=2"])
+    finally:
+        unregister_model("TOY_MLP")
+        unregister_model("TOY_GROUPED")

@@ -29,7 +29,7 @@ from internlm_core.config import dump_yaml, load_config
 from internlm_core.distributed import ParallelDims, destroy_distributed, init_distributed
 from internlm_core.loss import FlashGPTLMLoss
 from internlm_core.model import build_model, model_spec
-from internlm_core.parallel import parallelize_model
+from internlm_core.parallel import parallel_options, parallelize_model
 
 hf_dir, ckpt_dir, out = sys.argv[1:4]
 layout = sys.argv[4:]
@@ -41,7 +41,7 @@ cfg = load_config("configs/tiny.py", ["model_type=LLAMA", "data.seq_len=64", "mo
                                       *[f"model.{k}={v}" for k, v in keys.items()]], world_size=launch.world_size)
 dims = ParallelDims.from_config(cfg.parallel, launch.world_size)
 dims.build_mesh("cpu")
-built = parallelize_model(build_model(cfg), model_spec(cfg), cfg, dims)
+built = parallelize_model(build_model(cfg), model_spec(cfg), parallel_options(cfg), dims)
 model, pipeline = built if isinstance(built, tuple) else (built, None)
 loaded = load_hf_llama(model, hf_dir)
 shard = next(p for n, p in model.named_parameters() if n.endswith("attention.wq.weight"))

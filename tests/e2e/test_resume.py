@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 
 from internlm_core.checkpoint import MARKER, LocalStorage, latest_checkpoint
-from internlm_core.checkpoint.faults import ENV as FAULT_ENV
+from tests.helpers.ckpt_faults import ENV as FAULT_ENV
+FAULT_SCRIPT = "tests/helpers/ckpt_faults.py"  # train.py with the faults of FAULT_ENV injected
 from tests.helpers.launch import read_metrics, run_train
 
 pytestmark = pytest.mark.slow
@@ -41,7 +42,7 @@ def reference(tmp_path_factory):
 
 
 def killed_run(tmp_path: Path, fault: str):
-    p = run_train(train_args(tmp_path / "killed", tmp_path / "ckpt"), extra_env={FAULT_ENV: fault})
+    p = run_train(train_args(tmp_path / "killed", tmp_path / "ckpt"), extra_env={FAULT_ENV: fault}, script=FAULT_SCRIPT)
     assert p.returncode == -signal.SIGKILL, output(p)
     return p
 

@@ -9,7 +9,8 @@ import signal
 
 import pytest
 
-from internlm_core.checkpoint.faults import ENV as FAULT_ENV
+from tests.helpers.ckpt_faults import ENV as FAULT_ENV
+FAULT_SCRIPT = "tests/helpers/ckpt_faults.py"  # train.py with the faults of FAULT_ENV injected
 from tests.helpers.launch import read_metrics, run_train
 
 boto3 = pytest.importorskip("boto3")
@@ -51,7 +52,7 @@ def test_upload_to_s3_kill_and_auto_resume_from_it(tmp_path, s3_env):
     ref_loss = {r["step"]: r["loss"] for r in read_metrics(tmp_path / "ref")}
 
     p = run_train(train_args(tmp_path / "killed", folder, tmp_path / "stage"),
-                  extra_env={**env, FAULT_ENV: "kill_after_commit@10"})
+                  extra_env={**env, FAULT_ENV: "kill_after_commit@10"}, script=FAULT_SCRIPT)
     assert p.returncode == -signal.SIGKILL, p.stdout[-3000:] + p.stderr[-3000:]
     marker = json.loads(client.get_object(Bucket=BUCKET, Key="runs/tiny/10/COMPLETE")["Body"].read())
     listed = {o["Key"]: o["Size"] for o in client.list_objects_v2(Bucket=BUCKET, Prefix="runs/tiny/")["Contents"]}

@@ -16,7 +16,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import internlm_core.numerics.kernels as kernels  # noqa: E402
-import internlm_core.trainer.trainer as trainer_module  # noqa: E402
+import internlm_core.trainer.build as build_module  # noqa: E402
 from internlm_core.utils.memory import track_live_cpu_memory  # noqa: E402
 
 args = sys.argv[1:]
@@ -25,7 +25,7 @@ if args[:1] == ["--grad-reduce"]:
     kernels.select_grad_reduce = lambda *a, **k: mode
 if not track_live_cpu_memory():
     sys.exit("train_live_memory.py: glibc's allocator could not be set (MALLOC_* or GLIBC_TUNABLES set, or no glibc)")
-trainer_module.keep_freed_cpu_memory = lambda: False  # training's setting would keep freed memory resident
+build_module.keep_freed_cpu_memory = lambda: False  # training's setting would keep freed memory resident
 
 import train  # noqa: E402
 

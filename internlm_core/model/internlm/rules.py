@@ -6,11 +6,12 @@ from typing import Any
 
 from ...errors import ConfigError
 from ..args import ffn_width
+from ..spec import ModelInputs
 
 
-def validate_transformer(cfg: Any, grouped_query: bool) -> None:
+def validate_transformer(inputs: ModelInputs, grouped_query: bool) -> None:
     """Shape rules of the transformer (heads, rotary, norms) and of its tensor/pipeline parallel plan."""
-    m, p, d = cfg.model, cfg.parallel, cfg.data
+    m, p = inputs.model, inputs.parallel
     if m.hidden_size % m.num_attention_heads:
         raise ConfigError(f"model.num_attention_heads ({m.num_attention_heads}) must divide model.hidden_size "
                           f"({m.hidden_size}): each head gets hidden_size / num_attention_heads channels")
@@ -21,7 +22,7 @@ def validate_transformer(cfg: Any, grouped_query: bool) -> None:
         raise ConfigError(f"model.num_kv_attention_heads ({m.num_kv_attention_heads}) must divide "
                           f"model.num_attention_heads ({m.num_attention_heads}) for grouped-query attention")
     if not grouped_query and m.num_kv_attention_heads != m.num_attention_heads:
-        raise ConfigError(f"model.num_kv_attention_heads: model_type {cfg.model_type} has no grouped-query "
+        raise ConfigError(f"model.num_kv_attention_heads: model_type {inputs.model_type} has no grouped-query "
                           "attention; use model_type INTERNLM2 or LLAMA")
     if m.norm_type != "rmsnorm":
         raise ConfigError(f"model.norm_type: only 'rmsnorm' is supported, got {m.norm_type!r}")
@@ -34,8 +35,8 @@ def validate_transformer(cfg: Any, grouped_query: bool) -> None:
                               f"({m.num_attention_heads}) and model.num_kv_attention_heads ({m.num_kv_attention_heads})")
         if ffn_width(m) % p.tensor:
             raise ConfigError(f"parallel.tensor ({p.tensor}) must divide the FFN width ({ffn_width(m)})")
-        if p.sequence_parallel and d.seq_len % p.tensor:
-            raise ConfigError(f"parallel.sequence_parallel: data.seq_len ({d.seq_len}) must be divisible by "
+        if p.sequence_parallel and inputs.seq_len % p.tensor:
+            raise ConfigError(f"parallel.sequence_parallel: data.seq_len ({inputs.seq_len}) must be divisible by "
                               f"parallel.tensor ({p.tensor})")
 
 

@@ -23,10 +23,10 @@ SPEC = register_model(ModelSpec(
     aliases=("INTERNLM2_PUBLIC",),  # InternEvo's model_type for the same architecture
     description="InternLM2: grouped-query attention, no bias",
     module=Transformer,
-    build_args=lambda cfg, attn_backend: args_from_model_config(cfg.model, cfg.data.seq_len, attn_backend),
+    build_args=lambda inputs, attn_backend: args_from_model_config(inputs.model, inputs.seq_len, attn_backend),
     plan=PLAN,
     fill_defaults=bias_default(False),
-    validate=lambda cfg: validate_transformer(cfg, grouped_query=True),
+    validate=lambda inputs: validate_transformer(inputs, grouped_query=True),
     num_parameters=analytic_parameter_count,
     flops_per_token=flops_per_token,
     sizes=SIZES,
