@@ -10,6 +10,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed.tensor import DTensor, Shard
 
+from .utils import collectives
+
 
 class AccPerplex:
     """Token accuracy and perplexity, overall and per dataset type (from `type_ids`).
@@ -52,10 +54,14 @@ class AccPerplex:
 
     def get_metric(self, reset: bool = True) -> dict[str, float]:
         """{"acc", "ppl", "tokens", "loss_from_metric", "acc/{type}", "loss/{type}", "ppl/{type}"} summed over ranks."""
-        sums = self._sums if self._sums is not None else torch.zeros(3, self.max_types, dtype=torch.float64)
-        if self.process_group is not None and dist.is_initialized():
-            sums = sums.clone()
-            dist.all_reduce(sums, group=self.process_group)
+        shared = self.process_group is not None and collectives.dist_ready()
+        if self._sums is None:  # no micro-batch here (a pipeline stage without outputs): zeros, on the group's device
+            sums = torch.zeros(3, self.max_types, dtype=torch.float64,
+                               device=collectives.group_device(self.process_group) if shared else None)
+        else:
+            sums = self._sums.clone() if shared else self._sums
+        if shared:
+            collectives.all_reduce(sums, group=self.process_group)
         sums = sums.cpu()
         right, tokens, loss = sums[0], sums[1], sums[2]
         total = tokens.sum().item()
@@ -93,8 +99,8 @@ def vocab_parallel_argmax(logits: torch.Tensor) -> torch.Tensor:
     group = mesh.get_group(dims[0])
     all_values = [torch.empty_like(values) for _ in range(n)]
     all_index = [torch.empty_like(index) for _ in range(n)]
-    dist.all_gather(all_values, values.contiguous(), group=group)
-    dist.all_gather(all_index, index.contiguous(), group=group)
+    collectives.all_gather(all_values, values.contiguous(), group=group)
+    collectives.all_gather(all_index, index.contiguous(), group=group)
     best = torch.stack(all_values).argmax(dim=0, keepdim=True)  # lowest rank among equal maxima
     return torch.stack(all_index).gather(0, best).squeeze(0)
 

@@ -9,6 +9,7 @@ from typing import Any, Callable
 import torch.distributed as dist
 
 from ..errors import CheckpointError
+from ..utils import collectives
 
 
 class Collectives:
@@ -30,7 +31,7 @@ class Collectives:
         if self.group is None:
             return [obj]
         out: list = [None] * self.world_size
-        dist.all_gather_object(out, obj, group=self.group)
+        collectives.all_gather_object(out, obj, group=self.group)
         return out
 
     def broadcast(self, obj: Any) -> Any:
@@ -38,7 +39,7 @@ class Collectives:
         if self.group is None:
             return obj
         box = [obj]
-        dist.broadcast_object_list(box, src=0, group=self.group)
+        collectives.broadcast_object_list(box, src=0, group=self.group)
         return box[0]
 
     def agree(self, ok: bool, error: str) -> tuple[bool, str]:
@@ -49,7 +50,7 @@ class Collectives:
 
     def barrier(self) -> None:
         if self.group is not None:
-            dist.barrier(group=self.group)
+            collectives.barrier(group=self.group)
 
     def on_rank0(self, fn: Callable[[], Any]) -> Any:
         """fn() on rank 0, its value (or its error, as a CheckpointError) on every rank."""

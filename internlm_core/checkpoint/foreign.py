@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 
 from ..errors import CheckpointError
+from ..utils import collectives
 from ..model.spec import AdapterContext, StateDictAdapter, get_model_spec, model_types
 
 _GROUP = re.compile(r"^(.*?\.\d+)\.")
@@ -80,7 +81,7 @@ def load_full_state(model: torch.nn.Module, read: Callable[[list[str]], dict[str
     shared = distributed_model(model) and dist.is_initialized()
     if shared:
         everyone: list[Any] = [None] * dist.get_world_size()
-        dist.all_gather_object(everyone, names)
+        collectives.all_gather_object(everyone, names)
         wanted = list(dict.fromkeys(n for ns in everyone for n in ns))
         shapes: dict[str, tuple] = {}
         for sh in _gather_shapes(target):
@@ -103,7 +104,7 @@ def load_full_state(model: torch.nn.Module, read: Callable[[list[str]], dict[str
             problem = str(e)
     if shared:
         box = [problem]
-        dist.broadcast_object_list(box, src=0)
+        collectives.broadcast_object_list(box, src=0)
         problem = box[0]
     if problem:
         raise CheckpointError(problem)
@@ -124,7 +125,7 @@ def load_full_state(model: torch.nn.Module, read: Callable[[list[str]], dict[str
 def _gather_shapes(target: Mapping[str, torch.Tensor]) -> list[dict[str, tuple]]:
     mine = {k: tuple(v.shape) for k, v in target.items()}
     everyone: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(everyone, mine)
+    collectives.all_gather_object(everyone, mine)
     return everyone
 
 

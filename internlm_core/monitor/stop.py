@@ -44,9 +44,9 @@ import torch
 import torch.distributed as dist
 
 from internlm_core.callbacks import TrainerCallback
+from internlm_core.utils import collectives
 from internlm_core.utils.logging import get_logger
 
-from ._dist import collective_device, dist_ready
 from .alert import AlertManager
 
 logger = get_logger(__name__)
@@ -143,9 +143,10 @@ class StopController(TrainerCallback):
         local_signal = self.signal_received or 0
         file_value = self._read_file() if self.rank == 0 else _NO_VALUE
         sig = local_signal
-        if dist_ready():
-            t = torch.tensor([file_value, local_signal], dtype=torch.int64, device=collective_device(self.group))
-            dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group)
+        if collectives.dist_ready():
+            t = torch.tensor([file_value, local_signal], dtype=torch.int64,
+                             device=collectives.group_device(self.group))
+            collectives.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group)
             file_value, sig = (int(v) for v in t.tolist())
         if file_value == _NO_VALUE:
             file_value = 0

@@ -33,9 +33,9 @@ import torch
 import torch.distributed as dist
 
 from internlm_core.callbacks import TrainerCallback
+from internlm_core.utils import collectives
 from internlm_core.utils.logging import get_logger
 
-from ._dist import dist_ready
 
 logger = get_logger(__name__)
 
@@ -89,9 +89,9 @@ def diagnose_stragglers(times: Union[float, Mapping[str, float]], outlier_ratio:
     """
     mine = {"step_time": float(times)} if isinstance(times, (int, float)) else {k: float(v) for k, v in times.items()}
     host = socket.gethostname()
-    if dist_ready():
+    if collectives.dist_ready():
         gathered: list[Any] = [None] * dist.get_world_size(group)
-        dist.all_gather_object(gathered, (mine, host), group=group)
+        collectives.all_gather_object(gathered, (mine, host), group=group)
         ranks = dist.get_process_group_ranks(group) if group is not None else list(range(len(gathered)))
     else:
         gathered, ranks = [(mine, host)], [0]

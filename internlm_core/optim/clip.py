@@ -9,6 +9,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
+from ..utils import collectives
+
 
 def _by_mesh(items: list, tensor_of) -> dict[object, list]:
     """`items` grouped by the mesh of their tensor (None: plain tensors), in first-seen order."""
@@ -30,15 +32,16 @@ def _full_norm(grads: list[torch.Tensor]) -> torch.Tensor:
 def global_grad_norm(params: Iterable[torch.nn.Parameter], pp_group: Optional[dist.ProcessGroup] = None) -> torch.Tensor:
     """L2 norm of all gradients of the whole model (DTensor shards reduced; pipeline stages summed)."""
     grads = [p.grad for p in params if p.grad is not None]
-    if not grads:
-        return torch.zeros(())
-    # DTensor gradients on different meshes (a family's own dimension shards some parameters over another mesh
-    # than the rest) cannot meet in one op: one norm per mesh, combined as a root of the sum of squares
-    norms = [_full_norm(group) for group in _by_mesh(grads, lambda g: g).values()]
-    norm = norms[0] if len(norms) == 1 else torch.stack([n.float() ** 2 for n in norms]).sum().sqrt()
+    if not grads:  # nothing to clip here; a pipeline stage still takes part in the stages' sum below
+        norm = torch.zeros((), device=collectives.group_device(pp_group) if pp_group is not None else None)
+    else:
+        # DTensor gradients on different meshes (a family's own dimension shards some parameters over another mesh
+        # than the rest) cannot meet in one op: one norm per mesh, combined as a root of the sum of squares
+        norms = [_full_norm(group) for group in _by_mesh(grads, lambda g: g).values()]
+        norm = norms[0] if len(norms) == 1 else torch.stack([n.float() ** 2 for n in norms]).sum().sqrt()
     if pp_group is not None:  # each pipeline stage holds different parameters
         sq = norm.float() ** 2
-        dist.all_reduce(sq, group=pp_group)
+        collectives.all_reduce(sq, group=pp_group)
         norm = sq.sqrt()
     return norm.float()
 

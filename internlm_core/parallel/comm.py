@@ -25,6 +25,8 @@ from torch.distributed.fsdp import FSDPModule
 # the interfaces `set_custom_all_gather` / `set_custom_reduce_scatter` take (torch 2.13 keeps them here)
 from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather, ReduceScatter
 
+from ..utils import collectives
+
 
 class CommCounter:
     """Running totals of FSDP's collectives on this rank since the last `pop`."""
@@ -70,7 +72,7 @@ class _CountingAllGather(AllGather):
                  async_op: bool = False):
         self.counter.gathered += output_tensor.numel() * output_tensor.element_size()
         self.counter.gathers += 1
-        return dist.all_gather_single(output_tensor, input_tensor, group=group, async_op=async_op)
+        return collectives.all_gather_single(output_tensor, input_tensor, group=group, async_op=async_op)
 
 
 class _CountingReduceScatter(ReduceScatter):
@@ -84,4 +86,4 @@ class _CountingReduceScatter(ReduceScatter):
                  op, async_op: bool = False):
         self.counter.reduced += input_tensor.numel() * input_tensor.element_size()
         self.counter.reduces += 1
-        return dist.reduce_scatter_single(output=output_tensor, input=input_tensor, group=group, op=op, async_op=async_op)
+        return collectives.reduce_scatter_single(output_tensor, input_tensor, group=group, op=op, async_op=async_op)

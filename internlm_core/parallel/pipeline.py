@@ -23,6 +23,7 @@ from torch.distributed.tensor import DTensor, Shard
 
 from ..errors import ConfigError
 from ..model import ParallelPlan
+from ..utils import collectives
 
 
 def split_model(model: nn.Module, plan: ParallelPlan, pp_rank: int, pp_size: int, num_chunks: int
@@ -174,15 +175,15 @@ class PipelineParallel:
     def _send(self, h: torch.Tensor, stage: int) -> None:
         dst = dist.get_global_rank(self.group, stage % self.pp_size)
         header = torch.tensor([self._DTYPES.index(h.dtype), *h.shape], dtype=torch.int64, device=self.device)
-        dist.send(header, dst)
-        dist.send(h.contiguous(), dst)
+        collectives.send(header, dst)
+        collectives.send(h.contiguous(), dst)
 
     def _recv(self, stage: int, ndim: int = 3) -> torch.Tensor:
         src = dist.get_global_rank(self.group, stage % self.pp_size)
         header = torch.empty(1 + ndim, dtype=torch.int64, device=self.device)
-        dist.recv(header, src)
+        collectives.recv(header, src)
         h = torch.empty(header[1:].tolist(), dtype=self._DTYPES[int(header[0])], device=self.device)
-        dist.recv(h, src)
+        collectives.recv(h, src)
         return h
 
     @torch.no_grad()

@@ -19,6 +19,7 @@ from ..metrics import AccPerplex, Throughput
 from ..model import document_ids_from_cu_seqlens
 from ..numerics import Kernels, Precision
 from ..optim import Beta2Scheduler, DynamicGradScaler, WarmupCosineLR, clip_and_check
+from ..utils import collectives
 from ..utils.logging import get_logger
 from ..utils.timer import Timers
 from ..utils.transfer import to_device
@@ -264,7 +265,7 @@ class Trainer:
         if self.world_size == 1 or not dist.is_initialized():
             return finite
         flag = torch.tensor([0.0 if finite else 1.0], device=self.device)
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        collectives.all_reduce(flag, op=dist.ReduceOp.MAX)
         return flag.item() == 0.0
 
     def _reduce_loss(self, loss: torch.Tensor) -> float:
@@ -272,7 +273,7 @@ class Trainer:
         only the last stage holds it (the others contribute 0 to the sum over "pp_dp")."""
         if self.dims.dp * self.dims.pp > 1:
             loss = loss.clone()
-            dist.all_reduce(loss, op=dist.ReduceOp.SUM, group=self.dims.group("pp_dp"))
+            collectives.all_reduce(loss, op=dist.ReduceOp.SUM, group=self.dims.group("pp_dp"))
             loss /= self.dims.dp
         return loss.item()
 
