@@ -155,6 +155,13 @@ def cuda_device_index(local_rank: int, visible: int) -> int:
                       f"many GPUs as tasks, or one GPU per task")
 
 
+def local_device(device_type: str, local_rank: int, visible: int) -> torch.device:
+    """The device this process trains on: the CPU, or its GPU among the `visible` ones (`cuda_device_index`)."""
+    if device_type != "cuda":
+        return torch.device("cpu")
+    return torch.device("cuda", cuda_device_index(local_rank, visible))
+
+
 def restart_count(env: Optional[dict] = None) -> int:
     """How often the launcher started this job again: torchrun's restarts (TORCHELASTIC_RESTART_COUNT) plus SLURM's
     requeues (SLURM_RESTART_COUNT)."""
@@ -271,7 +278,7 @@ def init_distributed(launcher: Optional[str] = None, timeout_s: float = 600.0,
     max_restarts = int(os.environ["TORCHELASTIC_MAX_RESTARTS"]) if "TORCHELASTIC_MAX_RESTARTS" in os.environ else None
     if device_type is None:
         device_type = "cuda" if torch.cuda.is_available() else "cpu"
-    device = torch.device(f"cuda:{local}") if device_type == "cuda" else torch.device("cpu")
+    device = local_device(device_type, local, torch.cuda.device_count() if device_type == "cuda" else 0)
     if device.type == "cuda":
         torch.cuda.set_device(device)
     if world == 1 or launcher == "none":

@@ -1,5 +1,5 @@
-"""tools/slurm/train.sbatch under a stand-in srun (what it hands to srun), the signal lead from a run's measured
-step and checkpoint times, and the GPU a task trains on under one visible GPU per task."""
+"""tools/slurm/train.sbatch and train_elastic.sbatch under a stand-in srun (what they hand to srun), the signal lead
+from a run's measured step and checkpoint times, and the GPU a task trains on under one visible GPU per task."""
 
 import json
 import os
@@ -8,7 +8,9 @@ import sys
 
 import pytest
 
-from internlm_core.distributed.launch import cuda_device_index
+import torch
+
+from internlm_core.distributed.launch import cuda_device_index, init_distributed, local_device
 from internlm_core.errors import LaunchError
 from tests.helpers.launch import ROOT, env
 
@@ -19,16 +21,23 @@ json.dump({"args": sys.argv[1:], "MASTER_PORT": os.environ.get("MASTER_PORT")}, 
 """
 
 
-def run_sbatch(tmp_path, **slurm):
+# the elastic script asks scontrol for the first node of the allocation
+FAKE_SCONTROL = """#!/bin/sh
+printf 'gpu01\\ngpu02\\n'
+"""
+
+
+def run_sbatch(tmp_path, script="train.sbatch", **slurm):
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir(exist_ok=True)
-    (bin_dir / "srun").write_text(FAKE_SRUN)
-    (bin_dir / "srun").chmod(0o755)
-    e = {k: v for k, v in env().items() if not k.startswith("SLURM_") and k != "MASTER_PORT"}
+    for name, text in (("srun", FAKE_SRUN), ("scontrol", FAKE_SCONTROL)):
+        (bin_dir / name).write_text(text)
+        (bin_dir / name).chmod(0o755)
+    e = {k: v for k, v in env().items() if not k.startswith("SLURM_") and k not in ("MASTER_PORT", "RDZV_PORT")}
     e.update(PATH=f"{bin_dir}{os.pathsep}{e['PATH']}", SLURM_SUBMIT_DIR=str(ROOT), SLURM_JOB_NAME="t",
              SLURM_JOB_ID="1234567", SLURM_NNODES="2", SLURM_NTASKS="16", SLURM_JOB_NODELIST="gpu[01-02]",
              RUN_DIR=str(tmp_path / "run"), FAKE_SRUN_LOG=str(tmp_path / "srun.json"), **slurm)
-    p = subprocess.run(["bash", str(ROOT / "tools/slurm/train.sbatch"), "configs/7B.py", "--set", "data.total_steps=2"],
+    p = subprocess.run(["bash", str(ROOT / "tools/slurm" / script), "configs/7B.py", "--set", "data.total_steps=2"],
                        cwd=tmp_path, env=e, capture_output=True, text=True, timeout=60)
     assert p.returncode == 0, p.stderr
     return p.stdout, json.loads((tmp_path / "srun.json").read_text())
@@ -50,6 +59,25 @@ def test_sbatch_without_cpus_per_task_and_with_a_chosen_port(tmp_path):
     _, srun = run_sbatch(tmp_path, MASTER_PORT="29511")
     assert not any(a.startswith("--cpus-per-task") for a in srun["args"])
     assert srun["MASTER_PORT"] == "29511"
+
+
+def test_elastic_sbatch_passes_cpus_per_task_and_a_port_below_the_ephemeral_range(tmp_path):
+    out, srun = run_sbatch(tmp_path, "train_elastic.sbatch", SLURM_CPUS_PER_TASK="96")
+    args = srun["args"]
+    assert args[:4] == ["--kill-on-bad-exit=1", "--cpu-bind=none", "--cpus-per-task=96", "torchrun"]
+    low = int(open("/proc/sys/net/ipv4/ip_local_port_range").read().split()[0])
+    port = 20000 + 1234567 % min(10000, low - 20000)
+    assert 20000 <= port < low
+    assert args[args.index("--rdzv-endpoint") + 1] == f"gpu01:{port}" and f"rendezvous gpu01:{port}" in out
+    assert args[args.index("--rdzv-id") + 1] == "1234567"
+    assert args[-7:] == ["train.py", "--config", "configs/7B.py", "--run-dir", str(tmp_path / "run"), "--set",
+                         "data.total_steps=2"]
+
+
+def test_elastic_sbatch_without_cpus_per_task_and_with_a_chosen_port(tmp_path):
+    _, srun = run_sbatch(tmp_path, "train_elastic.sbatch", RDZV_PORT="29511")
+    assert not any(a.startswith("--cpus-per-task") for a in srun["args"])
+    assert srun["args"][srun["args"].index("--rdzv-endpoint") + 1] == "gpu01:29511"
 
 
 def test_requeued_job_prints_the_signal_lead_its_last_attempt_needed(tmp_path):
@@ -79,3 +107,22 @@ def test_a_task_without_a_gpu_is_a_launch_error(monkeypatch):
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1")
     with pytest.raises(LaunchError, match=r"local rank 3 has no GPU: this process sees 2 \(CUDA_VISIBLE_DEVICES=0,1\)"):
         cuda_device_index(3, 2)
+
+
+@pytest.mark.parametrize("device_type,local_rank,visible,device", [
+    ("cuda", 5, 1, "cuda:0"), ("cuda", 5, 8, "cuda:5"), ("cuda", 0, 1, "cuda:0"), ("cpu", 5, 0, "cpu")])
+def test_the_device_a_process_trains_on(device_type, local_rank, visible, device):
+    assert local_device(device_type, local_rank, visible) == torch.device(device)
+
+
+@pytest.mark.parametrize("visible,device", [(1, "cuda:0"), (8, "cuda:5")])
+def test_init_distributed_takes_the_gpu_a_task_sees(monkeypatch, visible, device):
+    """SLURM --gpus-per-task=1: local rank 5 sees one GPU, which is cuda:0 (cuda:5 was "invalid device ordinal");
+    with the node's 8 GPUs visible it is cuda:5. The visible count stands in for the hardware this machine lacks."""
+    chosen = []
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: visible)
+    monkeypatch.setattr(torch.cuda, "set_device", chosen.append)
+    for key, value in {"RANK": "5", "WORLD_SIZE": "8", "LOCAL_RANK": "5"}.items():
+        monkeypatch.setenv(key, value)
+    info = init_distributed(launcher="none", device_type="cuda")
+    assert info.device == torch.device(device) and chosen == [torch.device(device)]
