@@ -19,7 +19,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Optional
 
-import torch
 import torch.distributed.checkpoint as dcp
 
 from ..errors import CheckpointError
@@ -169,7 +168,7 @@ class CheckpointWriter:
         writer = InterruptibleWriter(target.folder, result.step)
         if self.async_save:
             if self._stager is None:  # kept: its CPU buffers are reused by the next save
-                self._stager = ReusingCPUStager(pin_memory=torch.cuda.is_available())
+                self._stager = ReusingCPUStager()  # one host buffer, pinned in place when the state is on a GPU
             try:
                 fut = dcp.async_save(state, storage_writer=writer, async_stager=self._stager,
                                      **self.coll.dcp_kwargs())
