@@ -75,7 +75,7 @@ class _ChunkedCrossEntropy(torch.autograd.Function):
 
     fp32 and bf16 logits store (softmax - one_hot) / count, the gradient of the mean; fp16 logits store
     (softmax - one_hot) * 2**15 (see _FP16_SHIFT): divided by the count before the loss scale reached it, fp16
-    would flush most entries to 0. The backward of 16-bit logits scales in fp32 without host synchronization.
+    would flush most entries to 0. The backward scales the stored rows in fp32 without host synchronization.
     """
 
     @staticmethod
@@ -121,26 +121,32 @@ class _ChunkedCrossEntropy(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_losses: torch.Tensor, _grad_argmax: Optional[torch.Tensor]):  # noqa: D102
+        """Each stored row times its token's incoming gradient over the stored weight, on the device: no host
+        synchronization (the fp32 path read the count and the incoming gradient on the host, 3-4 per micro-batch)."""
         grad, valid, count = ctx.saved_tensors
         if grad.dtype in (torch.float16, torch.bfloat16):
             inverse = ctx.inverse if ctx.inverse is not None else count.float()
-            return _scale_half_gradient(ctx, grad, grad_losses.float() * inverse), None, None
-        g = grad_losses[valid]
-        if g.numel() == 0:
-            return torch.zeros_like(grad), None, None
-        count = int(count)
-        if bool((g == g[0]).all()):  # a sum or mean of the losses: one factor relative to the mean's gradient
-            factor = g[0].item() * count
-            if abs(factor - 1.0) < 1e-6:  # the mean itself: the gradient as computed, rounded once
-                return grad, None, None
-            return grad * factor, None, None  # exact for powers of two (micro_num 2, 4, ..., loss scales)
-        return (grad.float() * (grad_losses.float() * count).unsqueeze(1)).to(grad.dtype), None, None
+            return _scale_stored_gradient(ctx, grad, grad_losses.float() * inverse), None, None
+        # fp32 stores (softmax - one_hot) / count: the factor is (incoming gradient) * count, which for the mean (and a
+        # power-of-two loss scale or micro_num) is a power of two up to the rounding of 1 / count: snapped to it, so
+        # that the mean's gradient is the stored one, rounded once, and the others are exact multiples of it
+        factor = _snap_to_powers_of_two(grad_losses.double() * count.double())
+        return _scale_stored_gradient(ctx, grad, factor.float()), None, None
 
 
-def _scale_half_gradient(ctx, grad: torch.Tensor, factor: torch.Tensor) -> torch.Tensor:
-    """The 16-bit logits' gradient: the stored rows times `factor` (fp32 [N]: each token's incoming gradient
-    over the stored weight), multiplied in fp32 chunk by chunk and rounded once, into the stored buffer (a
-    second backward through the same graph would find it overwritten, hence the check)."""
+def _snap_to_powers_of_two(f: torch.Tensor) -> torch.Tensor:
+    """`f` with every value within 1e-6 (relative) of a power of two (or its negative) set to it; on the device."""
+    m, e = torch.frexp(f)  # f = m * 2**e, |m| in [0.5, 1): exact
+    a = m.abs()
+    low = torch.ldexp(torch.sign(m) * 0.5, e)  # |f| just above a power of two
+    high = torch.ldexp(torch.sign(m), e)  # |f| just below one
+    return torch.where((a - 0.5) < 5e-7, low, torch.where((1.0 - a) < 1e-6, high, f))
+
+
+def _scale_stored_gradient(ctx, grad: torch.Tensor, factor: torch.Tensor) -> torch.Tensor:
+    """The logits' gradient: the stored rows times `factor` (fp32 [N]: each token's incoming gradient over the
+    stored weight), multiplied in fp32 chunk by chunk and (16-bit) rounded once, into the stored buffer (a second
+    backward through the same graph would find it overwritten, hence the check)."""
     if ctx.consumed:
         raise RuntimeError("the fused cross entropy's backward ran twice on one graph (retain_graph); "
                            "use the 'torch' cross entropy kernel for that")
@@ -148,7 +154,10 @@ def _scale_half_gradient(ctx, grad: torch.Tensor, factor: torch.Tensor) -> torch
     step = _chunk_rows(grad.shape[1], grad.device)
     for s in range(0, grad.shape[0], step):
         e = min(s + step, grad.shape[0])
-        grad[s:e] = grad[s:e].float().mul_(factor[s:e].unsqueeze(1))
+        if grad.dtype == torch.float32:
+            grad[s:e].mul_(factor[s:e].unsqueeze(1))
+        else:
+            grad[s:e] = grad[s:e].float().mul_(factor[s:e].unsqueeze(1))
     return grad
 
 

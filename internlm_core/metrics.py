@@ -38,9 +38,12 @@ class AccPerplex:
         argmax of the logits, if already computed (the loss does both on CPU)."""
         logits = logits.reshape(-1, logits.shape[-1])
         labels = labels.reshape(-1)
-        if token_losses is None:
+        if token_losses is None and not isinstance(logits, DTensor):  # label smoothing: the plain cross entropy
+            token_losses, argmax = cross_entropy_and_argmax(logits, labels)
+            predictions = argmax if predictions is None else predictions
+        elif token_losses is None:  # vocabulary-sharded logits, under loss_parallel: replicated per-token losses
             token_losses = F.cross_entropy(logits.float(), labels, ignore_index=-100, reduction="none")
-            if isinstance(token_losses, DTensor):  # computed under loss_parallel: replicated
+            if isinstance(token_losses, DTensor):
                 token_losses = token_losses.full_tensor()
         valid = labels != -100
         pred = vocab_parallel_argmax(logits) if predictions is None else predictions.reshape(-1)
@@ -78,6 +81,27 @@ class AccPerplex:
         if reset:
             self.reset()
         return out
+
+
+# fp32 bytes of one chunk of `cross_entropy_and_argmax`: on a CPU it stays in the caches, on a GPU it is a few
+# large kernels; either way far below the [tokens, V] fp32 copy of the logits it replaces
+_CHUNK_BYTES = {"cpu": 4 << 20, "cuda": 128 << 20}
+
+
+@torch.no_grad()
+def cross_entropy_and_argmax(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-token cross entropy (fp32, 0 where the label is -100) and argmax of [N, V] logits, a chunk of rows at a
+    time: no fp32 [N, V] tensor (under label smoothing the loss returns no plain per-token cross entropy, and
+    F.cross_entropy(logits.float()) held two such buffers, ~3.4 GB for 7B at the activation peak)."""
+    n, v = logits.shape
+    losses = torch.empty(n, dtype=torch.float32, device=logits.device)
+    argmax = torch.empty(n, dtype=torch.long, device=logits.device)
+    step = max(1, _CHUNK_BYTES.get(logits.device.type, _CHUNK_BYTES["cuda"]) // (4 * v))
+    for s in range(0, n, step):  # row by row the same values as on the whole: no row depends on another
+        x = logits[s:s + step].float()
+        argmax[s:s + step] = x.argmax(dim=-1)
+        losses[s:s + step] = F.cross_entropy(x, labels[s:s + step], ignore_index=-100, reduction="none")
+    return losses, argmax
 
 
 @torch.no_grad()
