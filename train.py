@@ -28,6 +28,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--simulate", type=int, default=None, metavar="WORLD_SIZE",
                    help="run as one rank of a WORLD_SIZE-rank job on this CPU (fake collectives): per-rank memory")
     p.add_argument("--simulate-rank", type=int, default=0, metavar="R", help="the rank --simulate runs (default 0)")
+    p.add_argument("--simulate-device", choices=["cpu", "cuda"], default="cpu",
+                   help="where --simulate runs its rank: this CPU (default) or this machine's GPU")
     return p.parse_args(argv)
 
 
@@ -56,7 +58,7 @@ def main(argv=None, extra_callbacks=None) -> int:
         run_dir = Path(args.run_dir or f"RUN/{cfg.JOB_NAME}/simulate-{args.simulate}-rank{args.simulate_rank}")
         run_dir.mkdir(parents=True, exist_ok=True)
         setup_logging(args.simulate_rank, run_dir)
-        simulate(cfg, args.simulate, args.simulate_rank, run_dir, seed=args.seed)
+        simulate(cfg, args.simulate, args.simulate_rank, run_dir, seed=args.seed, device_type=args.simulate_device)
         destroy_distributed()
         return 0
 

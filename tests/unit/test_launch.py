@@ -2,7 +2,9 @@
 
 import pytest
 
-from internlm_core.distributed import detect_launcher, expand_nodelist, slurm_env_to_torch
+import torch
+
+from internlm_core.distributed import detect_launcher, expand_nodelist, init_simulated, slurm_env_to_torch
 from internlm_core.errors import LaunchError
 
 
@@ -62,3 +64,12 @@ def test_detect_launcher():
     assert detect_launcher({"SLURM_PROCID": "1", "SLURM_NTASKS": "2"}) == "slurm"
     assert detect_launcher({"SLURM_PROCID": "0", "SLURM_NTASKS": "1"}) == "none"  # one task: nothing to form
     assert detect_launcher({}) == "none"
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the message of a machine without CUDA")
+def test_a_simulated_rank_on_a_gpu_needs_one():
+    """`train.py --simulate W --simulate-device cuda` on a machine without CUDA: a LaunchError before any group."""
+    with pytest.raises(LaunchError, match="--simulate-device cuda: this machine has no usable CUDA device"):
+        init_simulated(8, 0, device_type="cuda")
+    with pytest.raises(LaunchError, match="--simulate-device: expected cpu or cuda, got 'tpu'"):
+        init_simulated(8, 0, device_type="tpu")
