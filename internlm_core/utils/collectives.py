@@ -137,7 +137,8 @@ def reduce_scatter_single(output: torch.Tensor, input: torch.Tensor, group: Grou
 
 
 def all_to_all_single(output: torch.Tensor, input: torch.Tensor, output_split_sizes: Optional[list[int]] = None,
-                      input_split_sizes: Optional[list[int]] = None, group: Group = None, async_op: bool = False) -> Any:
+                      input_split_sizes: Optional[list[int]] = None, group: Group = None,
+                      async_op: bool = False) -> Any:
     """`dist.all_to_all_single` (expert parallel's token exchange), after the placement check."""
     out, inp = _checked("all_to_all_single", [output, input], group)
     return dist.all_to_all_single(out, inp, output_split_sizes, input_split_sizes, group=group, async_op=async_op)
