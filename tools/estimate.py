@@ -11,8 +11,10 @@ pipeline micro-batches in flight), the loss's backward, and the gradients FSDP k
 micro-batches where it reduces once per step; `--device cpu` adds what the CPU path keeps and the process
 itself. `--precision internlm_core` (default) counts this code base (fp32 parameters + autocast);
 `--precision internlm` counts InternLM's bf16 parameters with fp32 master weights (hybrid ZeRO-1). The time
-per step is the model FLOPs of one step at the stated MFU of the stated peak. See internlm_core/estimate.py
-for every term.
+per step is the model FLOPs of one step at the stated MFU of the stated peak. See internlm_core/estimate/ for
+every term and the family's counts (model/<family>/counts.py) for its own. `--device cpu --linear fp32_gemm`:
+a CPU without native 16-bit GEMM (default: this machine's), whose linear backward holds fp32 copies and whose
+autocast copies are only the casts backward needs (a native GEMM's autocast caches every weight's cast).
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 def parse_args(argv=None) -> argparse.Namespace:
     from internlm_core.estimate import DEFAULT_MFU, DEFAULT_PEAK_TFLOPS, PRECISIONS
+    from internlm_core.numerics.kernels import LINEAR
 
     p = argparse.ArgumentParser(description="Estimate parameters, FLOPs, memory per device and step time of a config.")
     p.add_argument("--config", required=True, help="Python (.py) or YAML config file")
@@ -57,6 +60,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--grad-reduce", choices=["micro_batch", "step"], default=None,
                    help="when FSDP reduces gradients (default: the trainer's choice, every micro-batch under sharded "
                         "data parallel; 'step' keeps them unsharded in fp32 between micro-batches)")
+    p.add_argument("--linear", choices=LINEAR, default=None,
+                   help="linear kernel (default: what numerics chooses: on --device cpu this machine's, fp32_gemm "
+                        "where the CPU has no native 16-bit GEMM for the dtype; torch on GPUs)")
     p.add_argument("--json", action="store_true", help="print the figures as JSON instead of text")
     return p.parse_args(argv)
 
@@ -82,7 +88,7 @@ def main(argv=None) -> int:
         runtime = process_before_model()
     kw = dict(mfu=args.mfu, peak_tflops=args.peak_tflops, attention=args.attention, grad_reduce=args.grad_reduce,
               device_memory_gib=args.gpu_memory_gib or None, device="cuda" if args.device == "gpu" else "cpu",
-              pipeline_rank=args.pipeline_rank, runtime_bytes=runtime)
+              pipeline_rank=args.pipeline_rank, runtime_bytes=runtime, linear=args.linear)
     e = estimate(cfg, args.gpus, precision=args.precision, **kw)
     other = estimate(cfg, args.gpus, precision="internlm" if args.precision == "internlm_core" else "internlm_core",
                      **kw)
@@ -92,11 +98,13 @@ def main(argv=None) -> int:
         print(json.dumps({
             "config": args.config, "gpus": args.gpus, "layout": e.layout.describe(), "precision": e.precision,
             "attention": e.attention, "cross_entropy": e.cross_entropy, "grad_reduce": e.grad_reduce,
+            "linear": e.linear,
             "parameters": e.parameters, "model_flops_per_token": e.model_flops_per_token,
             "hardware_flops_per_token": e.hardware_flops_per_token, "tokens_per_step": e.tokens_per_step,
             "memory_gib": mem, "stage": e.memory.stage, "communication": dataclasses.asdict(e.communication),
             "step_time_s": e.step_time, "tokens_per_device_per_second": e.tokens_per_device_per_second,
-            "mfu": e.mfu, "peak_tflops": args.peak_tflops, "notes": e.notes}, indent=2))
+            "mfu": e.mfu, "peak_tflops": args.peak_tflops, "notes": e.notes,
+            **({"model_communication": e.model_communication} if e.model_communication else {})}, indent=2))
         return 0
     print(f"{args.config} on {args.gpus} device(s)")
     print(format_estimate(e, other))

@@ -24,6 +24,7 @@ import torch
 
 from ..errors import CheckpointError
 from ..model.spec import StateDictAdapter, get_model_spec
+from ..numerics.precision import resolve_precision
 from .catalog import checkpoint_config, local_checkpoint
 from .foreign import context, find_adapter, groups, load_full_state, meta_shapes
 from .safe_dcp import SafeFileSystemReader, SafeLoadPlanner, read_dcp_metadata
@@ -31,8 +32,6 @@ from .safetensors_io import hf_safetensors_files, parse_size, read_hf_tensors, r
 from .tokenizer_export import write_tokenizer_files
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-_CONFIG_DTYPE_NAMES = {"torch.float32": "float32", "torch.tf32": "float32", "torch.bfloat16": "bfloat16",
-                       "torch.float16": "float16"}
 # HF config.json model_type → its class, for folders whose config.json lacks "architectures"
 _HF_CLASSES = {"llama": "LlamaForCausalLM", "internlm": "InternLMForCausalLM", "internlm2": "InternLM2ForCausalLM"}
 HF_ARCHS = {"llama": "LlamaForCausalLM", "internlm": "InternLMForCausalLM", "internlm2": "InternLM2ForCausalLM"}
@@ -114,11 +113,12 @@ load_hf_llama = load_hf  # the name ckpt_type "hf_llama" had; any supported HF c
 TensorSource = Callable[[list[str]], Mapping[str, torch.Tensor]]
 
 
-def _model_shapes(cfg: Any) -> dict[str, torch.Tensor]:
-    """Our parameter names → meta tensors of the full model of `cfg` (its state_dict order: layer by layer)."""
-    from ..model import build_model
+def model_shapes(cfg: Any) -> dict[str, torch.Tensor]:
+    """Our parameter names → meta tensors of the full model of `cfg` (its state_dict order: layer by layer), from
+    the family's spec (ModelSpec.parameter_shapes)."""
+    from ..model import model_args_from_config
 
-    return meta_shapes(build_model(cfg, "meta").state_dict())
+    return get_model_spec(cfg.model_type).parameter_shapes(model_args_from_config(cfg))
 
 
 def export_adapter(cfg: Any, arch: Optional[str] = None) -> StateDictAdapter:
@@ -149,13 +149,13 @@ def export_hf(out_dir: str | os.PathLike, cfg: Any, source: Mapping[str, torch.T
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    dtype = dtype or _CONFIG_DTYPE_NAMES.get(cfg.model.dtype, "float32")
+    dtype = dtype or resolve_precision(cfg.model.dtype, "cpu").export_name
     if dtype not in DTYPES:
         raise CheckpointError(f"export dtype {dtype!r}: expected one of {', '.join(DTYPES)}")
     tdtype = DTYPES[dtype]
     adapter = export_adapter(cfg, arch)
     conf = adapter.foreign_config(cfg, dtype, {})  # type: ignore[misc]  # refuses what the class cannot hold early
-    shapes = _model_shapes(cfg)
+    shapes = model_shapes(cfg)
     ctx = context(model_args_from_config(cfg))
     plan = groups(shapes)
     owner: dict[str, str] = {}  # foreign name → the group producing it (a tied output produces nothing new)
@@ -262,7 +262,7 @@ def export_checkpoint(ckpt_dir: str | os.PathLike, out_dir: str | os.PathLike, c
         if progress is not None:
             progress(which)
         cfg = cfg if cfg is not None else checkpoint_config(folder)
-        model = find_dcp_model(folder, list(_model_shapes(cfg)))
+        model = find_dcp_model(folder, list(model_shapes(cfg)))
         if progress is not None:
             cls = export_adapter(cfg, arch).architectures[0]
             progress(f"model state: key prefix {model.prefix!r}, {len(model.tensors)} tensors; "

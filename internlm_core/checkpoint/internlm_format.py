@@ -23,6 +23,7 @@ import torch
 
 from ..errors import CheckpointError
 from ..model.spec import get_model_spec
+from ..numerics.precision import resolve_precision
 from .foreign import context, find_adapter, groups, load_full_state
 
 MODEL_FILE = re.compile(r"^model_tp(\d+)_pp(\d+)\.pt$")
@@ -151,9 +152,8 @@ def write_internlm_folder(out_dir: str | os.PathLike, cfg: Any,
     dtype: "float32", "bfloat16" or "float16"; default the run's `model.dtype`.
     """
     from ..model import model_args_from_config
-    from .hf import _CONFIG_DTYPE_NAMES, _model_shapes
 
-    dtype = dtype or _CONFIG_DTYPE_NAMES.get(cfg.model.dtype, "float32")
+    dtype = dtype or resolve_precision(cfg.model.dtype, "cpu").export_name
     if dtype not in _DTYPES:
         raise CheckpointError(f"dtype {dtype!r}: expected one of {', '.join(_DTYPES)}")
     adapter = get_model_spec(cfg.model_type).adapters.get("internlm")
@@ -168,8 +168,9 @@ def write_internlm_folder(out_dir: str | os.PathLike, cfg: Any,
             raise CheckpointError(f"--tp {tp} must divide model.{what} ({n})")
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    shapes = _model_shapes(cfg)
-    ctx = context(model_args_from_config(cfg), tp=tp, options={"embed_split_hidden": True})
+    args = model_args_from_config(cfg)
+    shapes = get_model_spec(cfg.model_type).parameter_shapes(args)
+    ctx = context(args, tp=tp, options={"embed_split_hidden": True})
     load = (lambda names: {n: source[n] for n in names}) if isinstance(source, Mapping) else source
     plan = groups(shapes)
     order = list(plan)
@@ -214,13 +215,15 @@ def export_internlm_checkpoint(ckpt_dir: str | os.PathLike, out_dir: str | os.Pa
                                progress: Optional[Callable[[str], None]] = None) -> list[Path]:
     """Convert an internlm-core checkpoint (any layout; local or s3://) into an InternLM folder split tp x pp."""
     from .catalog import checkpoint_config, local_checkpoint
-    from .hf import _model_shapes, find_dcp_model
+    from ..model import model_args_from_config
+    from .hf import find_dcp_model
 
     with local_checkpoint(ckpt_dir, allow_incomplete) as (folder, which):
         if progress is not None:
             progress(which)
         cfg = cfg if cfg is not None else checkpoint_config(folder)
-        model = find_dcp_model(folder, list(_model_shapes(cfg)))
+        names = get_model_spec(cfg.model_type).parameter_shapes(model_args_from_config(cfg))
+        model = find_dcp_model(folder, list(names))
         if progress is not None:
             progress(f"model state: key prefix {model.prefix!r}, {len(model.tensors)} tensors; {cfg.model_type} -> "
                      f"InternLM folder, tensor {tp} x pipeline {pp}")

@@ -20,6 +20,7 @@ import torch
 import torch.nn as nn
 
 from ..errors import ConfigError
+from .counts import ModelCounts
 
 
 @dataclass(frozen=True)
@@ -176,6 +177,9 @@ class ModelSpec:
     sizes: named shapes ("7B": {model keys}) of the family's published models.
     adapters: state-dict adapters by format: "hf" (the family's own Hugging Face class), "hf_llama" (the
         LlamaForCausalLM form), "internlm" (InternLM's / InternEvo's training checkpoints).
+    counts: ModelCounts (model/counts.py): the parameters, FLOPs and activation bytes the estimator sums,
+        term by term with the mesh dimensions dividing each.
+    parameter_shapes(args): {name: meta tensor} of the full model's state dict (foreign checkpoints).
     """
 
     name: str
@@ -190,6 +194,14 @@ class ModelSpec:
     flops_per_token: Optional[Callable[[Any, int], int]] = None
     sizes: dict[str, dict] = field(default_factory=dict)
     adapters: dict[str, StateDictAdapter] = field(default_factory=dict)
+    counts: Optional[ModelCounts] = None
+
+    def parameter_shapes(self, args: Any) -> dict[str, torch.Tensor]:
+        """Our parameter names -> meta tensors (global shapes, dtypes) of the full model built from `args`, in
+        its state_dict order (layer by layer): the module built on the meta device, no memory used."""
+        with torch.device("meta"):
+            model = self.module(args)
+        return {k: torch.empty(tuple(v.shape), dtype=v.dtype, device="meta") for k, v in model.state_dict().items()}
 
 
 _SPECS: dict[str, ModelSpec] = {}

@@ -16,6 +16,7 @@ cross_entropy   flash         flash-attn's Triton kernel (in-place backward); CU
                 vocab_parallel  torch's loss_parallel over vocabulary-sharded logits (tensor parallel)
 linear          onednn        fp32 linear layers on oneDNN's GEMM (CPU); torch: F.linear;
                 fp32_gemm     bf16/fp16 linear layers on a CPU without native 16-bit GEMM: fp32 GEMMs, rounded once
+                              (`select_linear`: the CPU's feature, `native_half_gemm()`, is its input)
 optimizer       apex          NVIDIA apex FusedAdam (plain tensors on CUDA only)
                 fused         torch's fused AdamW (CUDA, CPU); foreach: torch's multi-tensor AdamW
 grad_reduce     micro_batch   FSDP reduce-scatters every micro-batch (sharded data parallel, as torchtitan)
@@ -40,7 +41,7 @@ logger = get_logger(__name__)
 
 ATTENTION = ("flash", "sdpa", "cpu_blocked")
 CROSS_ENTROPY = ("flash", "fused_chunked", "fused_chunked_compiled", "torch", "vocab_parallel")
-LINEAR = ("onednn", "torch")
+LINEAR = ("onednn", "torch", "fp32_gemm")
 OPTIMIZER = ("apex", "fused", "foreach")
 GRAD_REDUCE = ("micro_batch", "step")
 
@@ -74,6 +75,11 @@ class Probes:
     native_half_gemm: tuple[torch.dtype, ...] = ()  # 16-bit dtypes this CPU multiplies natively (AVX-512/AMX)
 
 
+def native_half_gemm() -> tuple[torch.dtype, ...]:
+    """The 16-bit dtypes this CPU multiplies natively (AVX-512 BF16 / FP16, AMX: oneDNN's probe)."""
+    return tuple(d for d in (torch.bfloat16, torch.float16) if not cpu_half_gemm_upcast(d))
+
+
 def probe_all(device_type: str) -> Probes:
     """Probe only what this device type could use (nothing CUDA-only is imported on a CPU run)."""
     cuda = device_type == "cuda"
@@ -82,7 +88,7 @@ def probe_all(device_type: str) -> Probes:
         flash_cross_entropy=accelerators.probe_flash_cross_entropy(device_type) if cuda else accelerators.NOT_INSTALLED,
         apex=accelerators.probe_apex(device_type) if cuda else accelerators.NOT_INSTALLED,
         onednn=device_type == "cpu" and accelerators.onednn_linear_available(),
-        native_half_gemm=tuple(d for d in (torch.bfloat16, torch.float16) if not cpu_half_gemm_upcast(d)))
+        native_half_gemm=native_half_gemm())
 
 
 # package -> (why it does not work, what falls back): one warning per broken package
@@ -142,6 +148,20 @@ def select_cross_entropy(device_type: str, label_smoothing: float, vocab_paralle
     return choice
 
 
+def select_linear(device_type: str, precision: Precision, onednn: bool,
+                  native_half_gemm: tuple[torch.dtype, ...], notes: Optional[list[str]] = None) -> str:
+    """The linear layers' kernel from the CPU's features (`onednn`: oneDNN's fp32 GEMM usable; `native_half_gemm`:
+    the 16-bit dtypes the CPU multiplies natively). 16-bit compute on a CPU without native GEMM for its dtype:
+    "fp32_gemm" (fp32 GEMMs, rounded once; its backward holds fp32 copies of the operands). With native GEMM,
+    autocast casts the weights itself (F.linear) and caches each cast until its context exits."""
+    if device_type == "cpu" and precision.half and precision.compute_dtype not in native_half_gemm:
+        if notes is not None:
+            notes.append(f"this CPU has no native {str(precision.compute_dtype).removeprefix('torch.')} GEMM: "
+                         f"linear layers multiply in fp32 and round once (the numbers of a native kernel)")
+        return "fp32_gemm"
+    return "onednn" if device_type == "cpu" and onednn else "torch"
+
+
 def select_optimizer(requested: str, device_type: str, dtensor_params: bool, apex: Probe, notes: list[str],
                      fallbacks: Fallbacks) -> str:
     """adam.fused (auto, torch, apex) -> the AdamW implementation."""
@@ -196,11 +216,7 @@ def select_kernels(model_cfg: Any, adam_cfg: Any, precision: Precision, device: 
                                  probes.flash_attn, notes, fallbacks)
     cross_entropy = select_cross_entropy(device_type, label_smoothing, tp > 1 and model_cfg.parallel_output,
                                          model_cfg.compile, probes.flash_cross_entropy, notes, fallbacks)
-    linear = "onednn" if device_type == "cpu" and probes.onednn else "torch"
-    if device_type == "cpu" and precision.half and precision.compute_dtype not in probes.native_half_gemm:
-        linear = "fp32_gemm"
-        notes.append(f"this CPU has no native {str(precision.compute_dtype).removeprefix('torch.')} GEMM: "
-                     f"linear layers multiply in fp32 and round once (the numbers of a native kernel)")
+    linear = select_linear(device_type, precision, probes.onednn, probes.native_half_gemm, notes)
     optimizer = select_optimizer(adam_cfg.fused, device_type, dp > 1 or tp > 1, probes.apex, notes, fallbacks)
     grad_reduce = select_grad_reduce(dp, dp_shard, pp, micro_num, notes)
     kernels = Kernels(attention, cross_entropy, linear, optimizer, grad_reduce, tuple(notes),

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from ..args import analytic_parameter_count, args_from_model_config, flops_per_token
 from ..spec import ModelSpec, register_model
+from .counts import COUNTS
 from .hf import INTERNLM_HF, LLAMA_HF
 from .internlm_ckpt import INTERNLM_CKPT
 from .model import Transformer
@@ -26,6 +27,7 @@ SPEC = register_model(ModelSpec(
     validate=lambda inputs: validate_transformer(inputs, grouped_query=False),
     num_parameters=analytic_parameter_count,
     flops_per_token=flops_per_token,
+    counts=COUNTS,
     sizes=SIZES,
     adapters={"hf": INTERNLM_HF, "hf_llama": LLAMA_HF, "internlm": INTERNLM_CKPT},
 ))

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from ..args import analytic_parameter_count, args_from_model_config, flops_per_token
 from ..internlm.hf import LLAMA_HF
+from ..internlm.counts import COUNTS
 from ..internlm.model import Transformer
 from ..internlm.parallelize import PLAN
 from ..internlm.rules import bias_default, validate_transformer
@@ -29,6 +30,7 @@ SPEC = register_model(ModelSpec(
     validate=lambda inputs: validate_transformer(inputs, grouped_query=True),
     num_parameters=analytic_parameter_count,
     flops_per_token=flops_per_token,
+    counts=COUNTS,
     sizes=SIZES,
     adapters={"hf": INTERNLM2_HF, "hf_llama": LLAMA_HF, "internlm": INTERNEVO_CKPT},
 ))

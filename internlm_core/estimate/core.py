@@ -1,0 +1,181 @@
+"""`estimate`: the figures of a config under a parallel layout, from the family's counts and the run's kernels."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Optional
+
+from ..config import Config
+from ..model import get_model_spec, model_args_from_config
+from ..model.counts import ActivationContext
+from ..numerics.kernels import (LINEAR, native_half_gemm, select_attention, select_cross_entropy, select_grad_reduce,
+                                select_linear)
+from ..numerics.precision import resolve_precision
+from ..utils.accelerators import WORKING, onednn_linear_available
+from .activations import TokenBytes, fused_forward_chunks, stage_activations, token_bytes
+from .communication import fsdp_communication
+from .figures import DEFAULT_MFU, DEFAULT_PEAK_TFLOPS, GiB, PRECISIONS, Communication, Estimate, Layout
+from .memory import StageContext, pick_stage
+from .terms import ModelFigures, divisor
+
+
+@dataclass(frozen=True)
+class Kernels:
+    """The kernels the estimate assumes (numerics.select_kernels' choices on such devices, or overrides)."""
+
+    attention: str
+    cross_entropy: str
+    grad_reduce: str
+    linear: str
+
+
+def choose_kernels(cfg: Config, lay: Layout, numerics: Any, device: str, attention: Optional[str],
+                   grad_reduce: Optional[str], linear: Optional[str]) -> Kernels:
+    """select_kernels' choices (the CPU's features: this machine's) where no override is given."""
+    m, d = cfg.model, cfg.data
+    if attention is None:
+        attention = select_attention(m.attn_backend, m.use_flash_attn, numerics, device, WORKING, [], {})
+    cross_entropy = select_cross_entropy(device, cfg.loss.label_smoothing, lay.tp > 1 and m.parallel_output,
+                                         m.compile, WORKING, [], {})
+    if grad_reduce is None:
+        grad_reduce = select_grad_reduce(lay.dp, lay.dp_shard, lay.pp, d.micro_num, [])
+    if linear is None:
+        cpu = device == "cpu"
+        linear = select_linear(device, numerics, cpu and onednn_linear_available(), native_half_gemm() if cpu else ())
+    elif linear not in LINEAR:
+        raise ValueError(f"linear {linear!r}: expected one of {', '.join(LINEAR)}")
+    return Kernels(attention, cross_entropy, grad_reduce, linear)
+
+
+def checkpointed_blocks(cfg: Config, layers: int) -> int:
+    """How many of a stage's `layers` are recomputed (model.checkpoint: True, False or a fraction)."""
+    c = cfg.model.checkpoint
+    return round((1.0 if c is True else 0.0 if c is False else float(c)) * layers)
+
+
+def stage_context(cfg: Config, lay: Layout, figures: ModelFigures, precision: str, comp: int, k: Kernels,
+                  tb: TokenBytes, loss_forward: float) -> StageContext:
+    """loss_forward: the loss forward's transient buffers (its backward's are per token in `tb`); the larger
+    of the two is the loss's peak."""
+    d = cfg.data
+    layers = cfg.model.num_layers // lay.pp
+    autocast = precision == "internlm_core" and comp == 2
+    tokens = d.micro_bsz * d.seq_len
+    checkpointed = checkpointed_blocks(cfg, layers)
+    return StageContext(
+        lay=lay, precision=precision, autocast=autocast, comp=comp, micro_num=d.micro_num, layers=layers,
+        checkpointed=checkpointed,
+        keeps_unsharded=precision == "internlm_core" and k.grad_reduce == "step" and lay.dp_shard > 1
+        and d.micro_num > 1,
+        fp32_gemm=k.linear == "fp32_gemm", cached_casts=autocast and k.linear != "fp32_gemm",
+        tokens=tokens, loss_peak=max(tokens * tb.loss_peak, loss_forward), logits=tokens * tb.logits,
+        recomputed=tokens * tb.block if checkpointed else 0.0, head_activations=tokens * tb.head, figures=figures)
+
+
+def estimate(cfg: Config, world_size: int = 1, precision: str = "internlm_core", mfu: float = DEFAULT_MFU,
+             peak_tflops: float = DEFAULT_PEAK_TFLOPS, attention: Optional[str] = None,
+             device_memory_gib: Optional[float] = None, args: Optional[Any] = None,
+             device: str = "cuda", grad_reduce: Optional[str] = None, pipeline_rank: Optional[int] = None,
+             runtime_bytes: float = 0.0, linear: Optional[str] = None) -> Estimate:
+    """The figures of `cfg` on `world_size` devices of type `device` ("cuda" or "cpu").
+
+    The kernels are those numerics.select_kernels would choose on such devices with requirements-gpu.txt
+    installed and working (flash-attn on CUDA for 16-bit compute, cpu_blocked on CPU, ...). attention: override
+    with "flash" (no mask), "sdpa" (a packed-document mask) or "cpu_blocked" (probabilities kept). grad_reduce:
+    override when FSDP reduces gradients, "micro_batch" or "step" (which keeps them unsharded in between).
+    linear: override the linear kernel: "fp32_gemm" (a CPU without native 16-bit GEMM: the casts it saves, the
+    fp32 copies of its backward) or "onednn" / "torch" (autocast's cached casts); default this machine's choice
+    for device "cpu" (numerics.select_linear of its native_half_gemm), "torch" for "cuda".
+    pipeline_rank: the memory of that pipeline stage instead of the busiest one. runtime_bytes: what the process
+    holds before the model (CPU: its resident memory, which the peak of a CPU run counts; a CUDA allocator's peak
+    does not count it, so it is ignored there).
+    """
+    if precision not in PRECISIONS:
+        raise ValueError(f"precision {precision!r}: expected one of {PRECISIONS}")
+    spec = get_model_spec(cfg.model_type)
+    args = args if args is not None else model_args_from_config(cfg, "cuda")
+    d = cfg.data
+    lay = Layout.from_config(cfg, world_size, spec.plan)
+    numerics = resolve_precision(cfg.model.dtype, device)
+    k = choose_kernels(cfg, lay, numerics, device, attention, grad_reduce, linear)
+    comp = numerics.compute_dtype.itemsize
+    figures = ModelFigures.resolve(spec, args, lay, d.seq_len)
+    ctx = ActivationContext(seq_len=d.seq_len, compute_bytes=comp,
+                            residual_bytes=4 if precision == "internlm_core" else comp,
+                            # torch's RMSNorm keeps input and normalized output on CPU (composite), the input
+                            # only on CUDA (fused kernel, InternLM's apex norm)
+                            norm_tensors=2 if (precision == "internlm_core" and device == "cpu") else 1,
+                            autocast=precision == "internlm_core" and comp == 2, attention=k.attention,
+                            packed_documents=not d.pack_sample_into_one)
+    tb = token_bytes(figures, args, ctx, lay, k.cross_entropy, d.micro_num)
+    tokens = d.micro_bsz * d.seq_len
+    vocab = figures.counts.logits(args)
+    c = stage_context(cfg, lay, figures, precision, comp, k, tb, fused_forward_chunks(
+        k.cross_entropy, vocab.value / divisor(vocab.shard, lay.sizes), d.micro_bsz * d.seq_len, device))
+    acts = stage_activations(tb, lay, c.layers, c.checkpointed, d.micro_num, tokens)
+    mem = pick_stage(c, acts, tb.shared, pipeline_rank)
+    if device == "cpu":
+        mem.runtime = float(runtime_bytes)
+    model_fpt = float(spec.flops_per_token(args, d.seq_len)) if spec.flops_per_token is not None else \
+        3.0 * cfg.model.num_layers * figures.block_flops_per_token
+    hw_fpt = model_fpt + c.checkpointed * lay.pp * figures.block_flops_per_token
+    comm = fsdp_communication(lay, d.micro_num, k.grad_reduce, mem.stage, c.layers, figures.block_local,
+                              figures.embedding_local, figures.head_local, c.gathered_itemsize) \
+        if precision == "internlm_core" else Communication()
+    stage_layers = c.layers * d.micro_num * tokens
+    model_comm = {name: stage_layers * v for name, v in tb.communication.items()}
+    embed = figures.embedding.count
+    e = Estimate(cfg=cfg, layout=lay, precision=precision, attention=k.attention, cross_entropy=k.cross_entropy,
+                 grad_reduce=k.grad_reduce, parameters=figures.total, nonembedding_parameters=figures.total - embed,
+                 model_flops_per_token=model_fpt, hardware_flops_per_token=hw_fpt,
+                 tokens_per_step=tokens * d.micro_num * lay.dp, memory=mem, mfu=mfu, peak_flops=peak_tflops * 1e12,
+                 device_memory=device_memory_gib * GiB if device_memory_gib else None, communication=comm,
+                 linear=k.linear, model_communication=model_comm)
+    e.notes = notes(e, c, acts.in_flight, pipeline_rank)
+    return e
+
+
+def notes(e: Estimate, c: StageContext, in_flight: float, pipeline_rank: Optional[int]) -> list[str]:
+    """The lines that say which accounting, kernels and layout the figures assume."""
+    lay, mem, d, dtype = e.layout, e.memory, e.cfg.data, e.cfg.model.dtype.split(".")[-1]
+    out = []
+    if e.precision == "internlm_core":
+        out.append("precision internlm_core: fp32 parameters, gradients and AdamW moments (16 B/parameter) "
+                   f"sharded over zero1 ({lay.dp_shard}); "
+                   + (f"FSDP gathers {dtype} weights (no autocast copies)" if c.fsdp_mp
+                      else f"{dtype} autocast caches a 16-bit copy of every weight (kept to the end of the forward)"
+                      if c.cached_casts else f"{dtype} autocast keeps 16-bit weight copies of non-recomputed layers "
+                      f"(linear {e.linear})" if c.autocast else "fp32 compute"))
+    else:
+        out.append(f"precision internlm: bf16 parameters + gradients on every rank (4 B/parameter), fp32 master "
+                   f"weights + AdamW moments (12 B/parameter) sharded over zero1 ({lay.dp_shard})")
+    mask = e.attention == "sdpa" and not d.pack_sample_into_one
+    out.append(f"attention {e.attention}" + (" with a packed-document mask per layer (a*s bytes per token)" if mask
+                                             else " (probabilities kept for backward)" if e.attention == "cpu_blocked"
+                                             else " (no attention matrix kept)") + f"; cross entropy {e.cross_entropy}")
+    if e.precision == "internlm_core" and lay.dp_shard > 1 and d.micro_num > 1:
+        if e.grad_reduce == "micro_batch":
+            kept = 4 * e.parameters / lay.tp * (1 - 1 / lay.dp_shard)
+            out.append(f"gradient accumulation: reduce-scatter after each of the {d.micro_num} micro-batches, so only "
+                       f"the sharded fp32 gradients accumulate; reducing once per step would keep them unsharded, "
+                       f"{kept / GiB:.1f} GiB more (--grad-reduce step)")
+        else:
+            out.append(f"gradient accumulation: reduced once per step, every gradient stays unsharded in fp32 over "
+                       f"the {d.micro_num} micro-batches ({mem.accumulated_gradients / GiB:.1f} GiB beyond the shard)")
+    if c.checkpointed:
+        out.append(f"activation checkpointing: {c.checkpointed} of {c.layers} layers per stage keep only their input")
+    if lay.pp > 1 and mem.gradients == 0 and e.precision == "internlm_core":
+        out.append(f"pipeline stage '{mem.stage}' runs all {d.micro_num} forwards before its first backward: its "
+                   f"peak comes before the step's gradients exist (they are not counted)")
+    if lay.pp > 1:
+        which = f"stage {pipeline_rank} ('{mem.stage}')" if pipeline_rank is not None else \
+            f"busiest stage '{mem.stage}'"
+        out.append(f"pipeline: {which}, {in_flight:g} micro-batch(es) in flight on the first")
+    comm = e.communication
+    if comm.gathers:
+        out.append(f"FSDP per step: {comm.gathered_bytes / GiB:.2f} GiB gathered in {comm.gathers} all-gathers, "
+                   f"{comm.reduced_bytes / GiB:.2f} GiB reduced in {comm.reduces} reduce-scatters (the collectives' "
+                   f"sizes; (n-1)/n of them cross the wire; comm/* metrics measure them)")
+    for name, b in e.model_communication.items():
+        out.append(f"{name}: {b / GiB:.2f} GiB per step (the family's own collectives)")
+    return out

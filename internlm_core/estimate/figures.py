@@ -1,0 +1,141 @@
+"""The estimator's figures: the layout, the memory of one device by what holds it, FSDP's collectives, the estimate."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Mapping, Optional
+
+from ..config import Config
+
+GiB = 1024**3
+PRECISIONS = ("internlm_core", "internlm")
+DEFAULT_PEAK_TFLOPS = 989.0   # H100/H200 SXM dense bf16
+DEFAULT_MFU = 0.5
+
+
+@dataclass
+class Layout:
+    """How the devices split the work: world = dp * tp * pp; zero1 shards within dp. dims: the sizes of the
+    parallel dimensions the family's plan adds (`ParallelPlan.mesh_dims`, by mesh name), carved out of dp_shard."""
+
+    world_size: int
+    tp: int
+    pp: int
+    dp: int
+    dp_shard: int
+    num_chunks: int
+    sequence_parallel: bool
+    dims: dict[str, int] = field(default_factory=dict)
+
+    @classmethod
+    def from_config(cls, cfg: Config, world_size: int, plan: Any = None) -> "Layout":
+        p = cfg.parallel
+        dp = max(world_size // (p.tensor * p.pipeline), 1)
+        shard = dp if p.zero1 <= 0 else 1 if p.zero1 == 1 else min(p.zero1, dp)
+        return cls(world_size, p.tensor, p.pipeline, dp, shard, cfg.model.num_chunks, p.sequence_parallel,
+                   family_dims(cfg, plan, shard))
+
+    @property
+    def sizes(self) -> dict[str, int]:
+        """The size of every mesh dimension a count may be divided by (model/counts.py)."""
+        return {"tp": self.tp, "sp": self.tp if self.sequence_parallel else 1, **self.dims}
+
+    def describe(self) -> str:
+        rep = self.dp // self.dp_shard
+        zero = (f"zero1 shard {self.dp_shard}" + (f" x replicate {rep}" if rep > 1 else "")) if self.dp_shard > 1 \
+            else "no zero1 sharding"
+        own = "".join(f", {name} {size}" for name, size in self.dims.items() if size > 1)
+        return (f"{self.world_size} device(s): data {self.dp} ({zero}{own}), tensor {self.tp}"
+                f"{' + sequence parallel' if self.sequence_parallel else ''}, pipeline {self.pp}"
+                f"{f' x {self.num_chunks} chunks' if self.num_chunks > 1 else ''}")
+
+
+def family_dims(cfg: Config, plan: Any, dp_shard: int) -> dict[str, int]:
+    """{mesh name: size} of the dimensions `plan` adds (`parallel.<key>`, 1 where unset; <= 0: what the
+    dimension resolves it to against dp_shard, by default all of it)."""
+    requested: Mapping[str, int] = getattr(cfg.parallel, "dims", None) or {}
+    sizes = {}
+    for d in getattr(plan, "mesh_dims", ()) or ():
+        want = int(requested.get(d.key, 1))
+        size = getattr(d, "size", None)
+        sizes[d.name] = int(size(want, dp_shard, cfg.model_inputs())) if callable(size) else \
+            (dp_shard if want <= 0 else want)
+    return sizes
+
+
+@dataclass
+class Memory:
+    """Peak bytes on the busiest device, by what holds them."""
+
+    parameters: float = 0.0
+    gradients: float = 0.0
+    optimizer: float = 0.0
+    weight_copies: float = 0.0   # 16-bit casts of the weights autocast keeps (saved for backward, or cached)
+    fsdp_gathered: float = 0.0   # unsharded parameters / gradients FSDP holds at the peak
+    accumulated_gradients: float = 0.0  # unsharded fp32 gradients kept between micro-batches (beyond the shard)
+    activations: float = 0.0     # tensors saved for backward (all layers, in-flight micro-batches)
+    loss_peak: float = 0.0       # transient buffers of the loss (its backward's logits gradient, fused chunks)
+    gemm_copies: float = 0.0     # CPU without native 16-bit GEMM: fp32 operands of the largest linear's backward
+    root_reduce: float = 0.0     # FSDP: the end of backward (the root's gradients reduced) above the peak before it
+    runtime: float = 0.0         # CPU: the process itself (Python, torch, the data pipeline), as measured
+    stage: str = ""
+
+    ORDER = ("parameters", "gradients", "optimizer", "weight_copies", "fsdp_gathered", "accumulated_gradients",
+             "activations", "loss_peak", "gemm_copies", "root_reduce", "runtime")
+    LABELS = {"parameters": "parameters", "gradients": "gradients", "optimizer": "optimizer state",
+              "weight_copies": "16-bit weight copies", "fsdp_gathered": "FSDP gathered",
+              "accumulated_gradients": "accumulated gradients", "activations": "activations",
+              "loss_peak": "loss transients", "gemm_copies": "fp32 GEMM copies (CPU)",
+              "root_reduce": "root gradient reduce", "runtime": "process itself (CPU)"}
+
+    @property
+    def states(self) -> float:
+        return self.parameters + self.gradients + self.optimizer
+
+    @property
+    def total(self) -> float:
+        return sum(getattr(self, k) for k in self.ORDER)
+
+
+@dataclass
+class Communication:
+    """FSDP's collectives on one rank (of the stage the memory figures are for) per training step, as
+    parallel.CommCounter counts them: the all-gathers' output bytes (unsharded weights in the gathered dtype) and
+    the reduce-scatters' input bytes (unsharded fp32 gradients). 0 without sharded data parallel."""
+
+    gathered_bytes: float = 0.0
+    reduced_bytes: float = 0.0
+    gathers: int = 0
+    reduces: int = 0
+
+
+@dataclass
+class Estimate:
+    cfg: Config
+    layout: Layout
+    precision: str
+    attention: str
+    cross_entropy: str
+    grad_reduce: str
+    parameters: int
+    nonembedding_parameters: int
+    model_flops_per_token: float
+    hardware_flops_per_token: float
+    tokens_per_step: int
+    memory: Memory
+    mfu: float
+    peak_flops: float
+    device_memory: Optional[float] = None
+    notes: list = field(default_factory=list)
+    communication: Communication = field(default_factory=Communication)
+    linear: str = "torch"  # numerics' linear kernel: "fp32_gemm" on a CPU without native 16-bit GEMM
+    # bytes per step on one rank of the family's own collectives (ModelCounts.block_communication), by term
+    model_communication: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def step_time(self) -> float:
+        return self.tokens_per_step * self.model_flops_per_token / (self.layout.world_size * self.mfu * self.peak_flops)
+
+    @property
+    def tokens_per_device_per_second(self) -> float:
+        return self.tokens_per_step / self.layout.world_size / self.step_time
