@@ -196,6 +196,39 @@ def plot_simple(ax, runs: list[Run], colors, key: str, title: str, ylabel: str, 
     return drawn
 
 
+def moe_layers(run: Run) -> list[str]:
+    """The MoE layers a run recorded (moe/layer{i}/max_load), in layer order."""
+    found = {k.split("/")[1] for r in run.train for k in r if k.startswith("moe/layer") and k.endswith("/max_load")}
+    return sorted(found, key=lambda name: int(name[len("layer"):]) if name[len("layer"):].isdigit() else 0)
+
+
+def plot_moe_balance(ax_load, ax_drop, runs: list[Run]) -> bool:
+    """Per MoE layer: the busiest expert's load over the mean (solid) and the idlest's (dashed), 1.0 balanced; and
+    the fraction of routed tokens dropped over capacity. One color per layer, one line style per run."""
+    drawn = False
+    styles = ("-", "-.", ":", (0, (5, 1)))
+    for i, run in enumerate(runs):
+        layers = moe_layers(run)
+        colors = _colors(len(layers))
+        for layer, c in zip(layers, colors):
+            label = layer if len(runs) == 1 else f"{run.name} {layer}"
+            for key, ls, lab in (("max_load", styles[i % len(styles)], f"{label} max"), ("min_load", "--", None)):
+                xs, ys = run.series(f"moe/{layer}/{key}")
+                if xs:
+                    ax_load.plot(xs, ys, color=c, lw=1.1, ls=ls, label=lab)
+                    drawn = True
+            xs, ys = run.series(f"moe/{layer}/dropped")
+            if xs:
+                ax_drop.plot(xs, ys, color=c, lw=1.1, ls=styles[i % len(styles)], label=label)
+    ax_load.axhline(1.0, color="0.5", lw=0.8)
+    ax_load.set_title("expert load (max solid, min dashed) over the mean")
+    ax_drop.set_title("tokens dropped over capacity")
+    for ax, ylabel in ((ax_load, "tokens per expert / mean"), (ax_drop, "fraction of routed tokens")):
+        ax.set_xlabel("step")
+        ax.set_ylabel(ylabel)
+    return drawn
+
+
 def _finish(ax, drawn: bool) -> None:
     if drawn:
         ax.legend(fontsize="small", framealpha=0.6)
@@ -242,6 +275,13 @@ def plot_runs(runs: list[Run], out_dir: str | os.PathLike) -> list[Path]:
     save(fig, "throughput.png")
     single("grad_norm.png", lambda ax: plot_simple(ax, runs, colors, "grad_norm", "gradient norm",
                                                    "global gradient L2 norm (before clipping)", log=True))
+
+    if any(moe_layers(r) for r in runs):  # mixture-of-experts runs: how evenly the experts are loaded
+        fig, (a1, a2) = plt.subplots(1, 2, figsize=(12, 4.5))
+        drawn = plot_moe_balance(a1, a2, runs)
+        _finish(a1, drawn)
+        _finish(a2, drawn)
+        save(fig, "moe_balance.png")
 
     fig, axes = plt.subplots(2, 3, figsize=(16, 9))
     _finish(axes[0, 0], plot_loss(axes[0, 0], runs, colors))

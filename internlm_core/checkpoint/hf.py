@@ -33,7 +33,8 @@ from .tokenizer_export import write_tokenizer_files
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # HF config.json model_type → its class, for folders whose config.json lacks "architectures"
-_HF_CLASSES = {"llama": "LlamaForCausalLM", "internlm": "InternLMForCausalLM", "internlm2": "InternLM2ForCausalLM"}
+_HF_CLASSES = {"llama": "LlamaForCausalLM", "internlm": "InternLMForCausalLM", "internlm2": "InternLM2ForCausalLM",
+               "mixtral": "MixtralForCausalLM"}
 HF_ARCHS = {"llama": "LlamaForCausalLM", "internlm": "InternLMForCausalLM", "internlm2": "InternLM2ForCausalLM"}
 
 
@@ -122,8 +123,13 @@ def model_shapes(cfg: Any) -> dict[str, torch.Tensor]:
 
 
 def export_adapter(cfg: Any, arch: Optional[str] = None) -> StateDictAdapter:
-    """The family adapter that writes HF class `arch` ("llama" (default), "internlm", "internlm2", "native")."""
+    """The family adapter that writes HF class `arch` ("llama" (default where the family has a Llama form),
+    "internlm", "internlm2", "native": the family's own, e.g. MixtralForCausalLM)."""
     spec = get_model_spec(cfg.model_type)
+    native = spec.adapters.get("hf")
+    if arch is None and "hf_llama" not in spec.adapters and native is not None \
+            and "LlamaForCausalLM" not in native.architectures:
+        return native  # a family without a Llama form (mixture of experts) exports its own class
     if arch in (None, "llama"):
         return spec.adapters["hf_llama"] if "hf_llama" in spec.adapters else find_adapter(
             cfg.model_type, "hf", "LlamaForCausalLM")

@@ -4,7 +4,8 @@ Users bring config files of InternLM (InternLM/InternLM at aaaf4d7 and its devel
 key of those files either maps onto one of ours (`parallel.tensor=dict(size, mode)` onto tensor and sequence
 parallel, `model.no_bias` onto `model.qkv_bias`, the legacy `ckpt.load_ckpt_folder` onto `load_ckpt_info`, ...),
 is kept for compatibility only (listed in one log line at start: nothing is ignored silently), or names a feature
-this framework does not have (MoE, 2D sequence parallel, dropout): then one ConfigError says so.
+this framework does not have (2D sequence parallel, dropout): then one ConfigError says so. The MoE keys are
+moe_compat.py's.
 
     raw, notes = normalize(raw)        # notes.compat: keys without effect; notes.mapped: forms that were translated
 """
@@ -18,6 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
 from ..errors import ConfigError
+from .moe_compat import moe_forms
 from .schema import Config
 
 # InternEvo's parallel.tensor modes and InternLM develop's spellings of them → (sequence parallel, what it means)
@@ -30,8 +32,6 @@ _TENSOR_MODES = {
 _ISP = ("isp", "intern")
 _SP_SPELLINGS = {"none": "mtp", "megatron": "msp", "flash-attn": "fsp", "intern": "isp"}  # develop's tensor.sp
 
-MOE_HINT = ("internlm-core trains dense models only; remove the MoE keys (model_type *MoE*, model.num_experts, "
-            "model.moe_type, model.top_k, loss.moe_loss_coeff, parallel.expert*) to train the dense model")
 
 
 @dataclass
@@ -85,10 +85,6 @@ _COMPAT: dict[tuple[str, str], Rule] = {
     ("model", "deepnorm"): (lambda v: not v, "DeepNorm is not implemented"),
     ("model", "attn_drop_rate"): (lambda v: not v, "dropout is not implemented (0 only)"),
     ("model", "drop_rate"): (lambda v: not v, "dropout is not implemented (0 only)"),
-    ("model", "num_experts"): (lambda v: int(v) <= 1, "MoE is not supported"),
-    ("model", "moe_use_residual"): (None, "no experts"),
-    ("model", "moe_type"): (None, "no experts"),
-    ("model", "top_k"): (None, "no experts"),
     ("model", "checkpoint_fraction"): (None, "model.checkpoint takes the fraction"),
     ("parallel", "zero1.fsdp"): (None, "sharding is always FSDP2 when parallel.zero1 != 1"),
     ("parallel", "pipeline.interleaved_overlap"): (None, "torch.distributed.pipelining schedules communication"),
@@ -101,9 +97,6 @@ _COMPAT: dict[tuple[str, str], Rule] = {
     ("parallel", "weight.memory_pool"): (None, "the caching allocator"),
     ("parallel", "weight.launch_allgather_before"): (None, "FSDP2 prefetches parameters"),
     ("parallel", "weight.forward_overlap_per"): (None, "FSDP2 prefetches parameters"),
-    ("parallel", "expert"): (None, "no experts"),
-    ("parallel", "expert_weight"): (None, "no experts"),
-    ("parallel", "expert_zero1"): (None, "no experts"),
     ("parallel", "sequence_2D"): (lambda v: not (isinstance(v, dict) and v.get("enable")),
                                   "2D sequence parallel (head x context) is not implemented; the nearest layout is "
                                   "parallel.tensor=dict(size=N, mode='msp') (tensor + sequence parallel)"),
@@ -113,7 +106,6 @@ _COMPAT: dict[tuple[str, str], Rule] = {
     ("hybrid_zero_optimizer", "zero_overlap_communication"): (None, "FSDP2 overlaps gradient reduction"),
     ("lr_scheduler", "last_epoch"): (None, "the schedule's position is restored from checkpoints"),
     ("loss", "op_type"): (None, "the cross-entropy kernel is chosen by numerics.select_kernels"),
-    ("loss", "moe_loss_coeff"): (None, "no experts"),
     ("data", "use_packed_dataset"): (lambda v: bool(v), "documents are always packed into rows"),
     ("data", "use_shm"): (None, "the index cache (data.index_cache_folder) is shared by the ranks"),
     ("data", "shm_path"): (None, "the index cache (data.index_cache_folder) is shared by the ranks"),
@@ -190,24 +182,6 @@ def _take_section(section_dict: dict, section: str, notes: CompatNotes) -> None:
     for (s, key) in _COMPAT:
         if s == section:
             _take(section_dict, section, key, notes)
-
-
-def _is_moe(raw: dict) -> Optional[str]:
-    """What makes `raw` a mixture-of-experts config, or None."""
-    mt = raw.get("model_type")
-    if isinstance(mt, str) and "moe" in mt.lower():
-        return f"model_type {mt!r}"
-    model = raw.get("model") if isinstance(raw.get("model"), dict) else {}
-    n = model.get("num_experts")
-    if isinstance(n, (int, float)) and not isinstance(n, bool) and n > 1:
-        return f"model.num_experts={n}"
-    if isinstance(raw.get("moe"), dict):
-        return "the moe section"
-    par = raw.get("parallel") if isinstance(raw.get("parallel"), dict) else {}
-    exp = par.get("expert")
-    if isinstance(exp, dict) and exp.get("size", -1) not in (-1, 0, 1) and n not in (None, 0, 1):
-        return f"parallel.expert={exp}"
-    return None
 
 
 # InternLM's dict forms of parallel keys → the sub-keys _parallel translates (as the error message lists them); the
@@ -406,9 +380,7 @@ def normalize(raw: dict) -> tuple[dict, CompatNotes]:
     """Map InternLM's and InternEvo's forms onto the schema (a new dict; `raw` is not changed)."""
     raw = copy.copy(raw)
     notes = CompatNotes()
-    moe = _is_moe(raw)
-    if moe is not None:
-        raise ConfigError(f"MoE is not supported ({moe}): {MOE_HINT}")
+    raw = moe_forms(raw, notes.compat, notes.mapped)  # MoE families keep their keys; dense ones drop them
     if raw.get("use_apex_adam") is not None:
         use = raw.pop("use_apex_adam")
         if use:

@@ -85,6 +85,27 @@ class ModelConfig:
     use_fp32_norm: bool = f(False, "Keep norm weights and computation in fp32 under low-precision dtypes.")
     compile: bool = f(False, "torch.compile each transformer block.")
     attn_backend: str = f("auto", "Attention kernel: auto (flash-attn if usable and the compute is 16-bit, else sdpa on GPUs, cpu_blocked on CPU), flash (fp32 inputs cast to bf16), sdpa, cpu_blocked.")
+    num_experts: int = f(0, "Experts of each mixture-of-experts FFN (MoE families: INTERNLM_MoE, MIXTRAL, ...); 0 for dense models.")
+    moe_type: str = f("GShard", "MoE routing (InternEvo's names): GShard or MegaBlock (capacity-bounded, tokens over capacity dropped unless moe.drop_tokens is False), Dropless or MegaBlock-Dropless (every token reaches its top_k experts).")
+    moe_use_residual: bool = f(False, "Residual MoE (InternEvo): a dense SwiGLU beside the experts, mixed with them by a learned per-token coefficient.")
+    moe_intermediate_size: Optional[int] = f(None, "Each expert's FFN width; default the dense FFN width (intermediate_size, or mlp_ratio/multiple_of).")
+
+
+@dataclass
+class MoEConfig:
+    """Mixture-of-experts routing (InternEvo's `moe` section); used by MoE families only."""
+
+    top_k: int = f(2, "Experts each token is routed to (InternEvo also spells it model.top_k, InternLM-develop moe_gate_k).")
+    capacity_factor: float = f(1.0, "GShard: each expert takes at most capacity_factor * top_k * tokens / num_experts tokens in training.")
+    eval_capacity_factor: float = f(1.0, "GShard: the capacity factor in evaluation.")
+    min_capacity: int = f(4, "GShard: the least capacity of an expert.")
+    noisy_gate_policy: Optional[str] = f(None, "Router noise in training: None, Jitter (multiplicative uniform noise on the router input) or RSample (Gumbel noise on the logits for top-1 selection).")
+    drop_tokens: bool = f(True, "GShard: drop the tokens over an expert's capacity (False: the capacity grows to the busiest expert's load).")
+    use_rts: bool = f(True, "GShard: random token selection when an expert is over capacity (else the first tokens win).")
+    score_func: str = f("softmax", "Router scores: softmax or sigmoid.")
+    norm_topk_prob: bool = f(True, "Renormalize each token's top_k routing weights to sum to 1 (Mixtral, Qwen3-MoE).")
+    z_loss_coeff: float = f(0.0, "Router z-loss coefficient (ST-MoE); 0: off.")
+    expert_bias_update_rate: float = f(0.0, "Aux-loss-free balancing (DeepSeek-V3): per-expert bias on the selection scores, moved by this rate toward balance after each step; 0: off.")
 
 
 @dataclass
@@ -163,6 +184,7 @@ class LossConfig:
     """Loss options (InternLM's `loss`)."""
 
     label_smoothing: float = f(0.0, "Label smoothing of the cross entropy.")
+    moe_loss_coeff: float = f(0.01, "Weight of the MoE load-balancing loss (InternEvo's key); MoE families only.")
 
 
 @dataclass
@@ -229,6 +251,7 @@ class Config:
     data: DataConfig = f(factory=DataConfig, help="See DataConfig.")
     model: ModelConfig = f(factory=ModelConfig, help="See ModelConfig.")
     parallel: ParallelConfig = f(factory=ParallelConfig, help="See ParallelConfig.")
+    moe: MoEConfig = f(factory=MoEConfig, help="See MoEConfig.")
     adam: AdamConfig = f(factory=AdamConfig, help="See AdamConfig.")
     lr_scheduler: LRSchedulerConfig = f(factory=LRSchedulerConfig, help="See LRSchedulerConfig.")
     beta2_scheduler: Beta2SchedulerConfig = f(factory=Beta2SchedulerConfig, help="See Beta2SchedulerConfig.")
@@ -250,4 +273,5 @@ class Config:
         p = self.parallel
         return ModelInputs(model_type=self.model_type, model=self.model, seq_len=self.data.seq_len,
                            parallel=ParallelSizes(tensor=p.tensor, pipeline=p.pipeline,
-                                                  sequence_parallel=p.sequence_parallel, dims=dict(p.dims)))
+                                                  sequence_parallel=p.sequence_parallel, dims=dict(p.dims)),
+                           moe=self.moe, moe_loss_coeff=self.loss.moe_loss_coeff)

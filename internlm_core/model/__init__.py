@@ -11,12 +11,12 @@ from .init import copy_shard, init_parameters, materialize, parameter_generator
 from .builder import (build_model, count_parameters, model_args, model_args_from_config, model_flops_per_token,
                       model_inputs, model_spec)
 from .spec import (AdapterContext, MeshDim, MeshDimContext, ModelInputs, ModelSpec, ParallelPlan, ParallelSizes,
-                   StageShapes, StateDictAdapter, TensorParallelOptions, canonical_model_type, get_model_spec,
-                   model_types, register_model, unregister_model)
-from . import internlm, internlm2, llama  # noqa: E402,F401  (the built-in families register themselves)
+                   StageShapes, StateDictAdapter, TensorParallelOptions, TrainingHooks, canonical_model_type,
+                   get_model_spec, model_types, register_model, unregister_model)
+from . import internlm, internlm2, llama, internlm_moe  # noqa: E402,F401  (the built-in families register themselves)
 from .internlm.model import Transformer
 
-__all__ = ["AdapterContext", "MeshDim", "MeshDimContext", "ModelArgs", "ModelInputs", "ModelSpec", "ParallelSizes", "PackedMeta", "ParallelPlan", "StageShapes", "StateDictAdapter", "TensorParallelOptions",
+__all__ = ["AdapterContext", "MeshDim", "MeshDimContext", "ModelArgs", "ModelInputs", "ModelSpec", "ParallelSizes", "PackedMeta", "ParallelPlan", "StageShapes", "StateDictAdapter", "TensorParallelOptions", "TrainingHooks",
            "Transformer", "analytic_parameter_count", "args_from_model_config", "build_model", "build_packed_meta",
            "canonical_model_type", "copy_shard", "count_parameters", "cu_seqlens_from_document_ids",
            "default_attention_backend", "document_ids_from_cu_seqlens", "ffn_width", "flops_per_token",

@@ -41,12 +41,15 @@ class ModelInputs:
 
     model: the `model` section (config.schema.ModelConfig; read by attribute, since this package sits below
         `config`); seq_len: tokens of one sequence (data.seq_len); parallel: the layout its rules check.
+    moe, moe_loss_coeff: the MoE families' routing section and loss weight (dense families ignore them).
     `Config.model_inputs()` makes one."""
 
     model_type: str
     model: Any
     seq_len: int
     parallel: ParallelSizes = field(default_factory=ParallelSizes)
+    moe: Any = None               # the `moe` section (config.schema.MoEConfig): routing of MoE families
+    moe_loss_coeff: float = 0.0   # loss.moe_loss_coeff: weight of the MoE load-balancing loss
 
 
 @dataclass(frozen=True)
@@ -86,13 +89,21 @@ class MeshDim:
     apply(model, ctx): shard the family's modules over this dimension (`MeshDimContext`) and return the modules
         it sharded; FSDP then shards each of those over the remaining data-parallel ranks only, and averages
         their gradients over every data-parallel rank (their forward already combined the E ranks' tokens);
+    resolve(requested, dp_shard, inputs) -> size: the size of `parallel.<key>` = requested given the sharded
+        data-parallel size (default: requested, or all of dp_shard for requested <= 0);
     description: one line for logs and errors.
     """
 
     name: str
     key: str
     apply: Callable[[nn.Module, "MeshDimContext"], list[nn.Module]]
+    resolve: Optional[Callable[[int, int, "ModelInputs"], int]] = None
     description: str = ""
+
+    def size(self, requested: int, dp_shard: int, inputs: "ModelInputs") -> int:
+        if self.resolve is not None:
+            return int(self.resolve(requested, dp_shard, inputs))
+        return dp_shard if requested <= 0 else requested
 
 
 @dataclass(frozen=True)
@@ -165,6 +176,28 @@ class StateDictAdapter:
     description: str = ""
 
 
+def _no_op(*args: Any) -> None:
+    return None
+
+
+@dataclass(frozen=True)
+class TrainingHooks:
+    """What a family does in the step loop besides forward and backward (the loop calls these; dense families
+    need none). MoE: the auxiliary losses' gradient scale, the expert-bias update, the load-balance metrics.
+
+    before_backward(model, scale): the factor of this micro-batch's loss gradient (loss scale / micro-batches)
+        just before its backward (losses a family adds inside the model scale theirs the same way);
+    after_step(model, dp_group): after each optimizer step that was taken, outside autograd; dp_group: the
+        data-parallel process group (None for one process), for what must agree across the data-parallel ranks;
+    step_metrics(model) -> {name: value}: the family's metrics of the step just taken (metrics.jsonl,
+        TensorBoard, console), e.g. "moe/layer0/max_load" (names without a leading "/").
+    """
+
+    before_backward: Callable[[nn.Module, float], None] = _no_op
+    after_step: Callable[[nn.Module, Any], None] = _no_op
+    step_metrics: Callable[[nn.Module], dict] = lambda model: {}
+
+
 @dataclass(frozen=True)
 class ModelSpec:
     """One model family as the framework sees it.
@@ -177,6 +210,7 @@ class ModelSpec:
     sizes: named shapes ("7B": {model keys}) of the family's published models.
     adapters: state-dict adapters by format: "hf" (the family's own Hugging Face class), "hf_llama" (the
         LlamaForCausalLM form), "internlm" (InternLM's / InternEvo's training checkpoints).
+    hooks: what the step loop calls besides forward and backward (TrainingHooks).
     counts: ModelCounts (model/counts.py): the parameters, FLOPs and activation bytes the estimator sums,
         term by term with the mesh dimensions dividing each.
     parameter_shapes(args): {name: meta tensor} of the full model's state dict (foreign checkpoints).
@@ -194,6 +228,7 @@ class ModelSpec:
     flops_per_token: Optional[Callable[[Any, int], int]] = None
     sizes: dict[str, dict] = field(default_factory=dict)
     adapters: dict[str, StateDictAdapter] = field(default_factory=dict)
+    hooks: TrainingHooks = field(default_factory=TrainingHooks)
     counts: Optional[ModelCounts] = None
 
     def parameter_shapes(self, args: Any) -> dict[str, torch.Tensor]:

@@ -52,15 +52,19 @@ def parallel_options(cfg: Config) -> ParallelOptions:
                            micro_bsz=cfg.data.micro_bsz, seq_len=cfg.data.seq_len)
 
 
-def family_dims(spec: ModelSpec, parallel: ParallelConfig) -> tuple[tuple[str, int], ...]:
-    """((mesh name, size), ...) of the dimensions `spec`'s plan adds, from `parallel.dims` (1 where unset);
-    ConfigError for a size given to a dimension the family does not have."""
+def family_dims(spec: ModelSpec, parallel: ParallelConfig, world_size: int,
+                inputs: Optional[ModelInputs] = None) -> tuple[tuple[str, int], ...]:
+    """((mesh name, size), ...) of the dimensions `spec`'s plan adds, from `parallel.dims` (1 where unset; a size
+    <= 0 resolved by the dimension against the sharded data-parallel size of `world_size`); ConfigError for a
+    size given to a dimension the family does not have."""
     declared = {d.key: d for d in spec.plan.mesh_dims}
     unknown = sorted(set(parallel.dims) - set(declared))
     if unknown:
         raise ConfigError(f"parallel.{unknown[0]}: model_type {spec.name} has no such parallel dimension"
                           + (f" (its own: {', '.join(sorted(declared))})" if declared else ""))
-    return tuple((d.name, int(parallel.dims.get(d.key, 1))) for d in spec.plan.mesh_dims)
+    dp_shard = ParallelDims.from_config(parallel, world_size).dp_shard
+    return tuple((d.name, d.size(int(parallel.dims.get(d.key, 1)), dp_shard, inputs))
+                 for d in spec.plan.mesh_dims)
 
 
 def parallelize_model(model: nn.Module, spec: ModelSpec, options: ParallelOptions, dims: ParallelDims,

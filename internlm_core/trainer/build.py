@@ -207,7 +207,7 @@ def build_trainer(cfg: Config, launch: LaunchInfo, run_dir: Path, seed: Optional
     precision = resolve_precision(cfg.model.dtype, launch.device)
     setup_numerics(cfg, seed, precision)
     inputs = cfg.model_inputs()
-    dims = ParallelDims.from_config(cfg.parallel, launch.world_size, extra=family_dims(model_spec(inputs), cfg.parallel))
+    dims = ParallelDims.from_config(cfg.parallel, launch.world_size, extra=family_dims(model_spec(inputs), cfg.parallel, launch.world_size, inputs))
     dims.build_mesh(launch.device.type)
     kernels = build_kernels(cfg, precision, launch.device, dims)
     write_run_files(cfg, run_dir, launch)
@@ -235,7 +235,8 @@ def build_trainer(cfg: Config, launch: LaunchInfo, run_dir: Path, seed: Optional
     choose_cpu_allocator(launch.device, dims, simulated)
     logger.info(f"run folder {run_dir} on {socket.gethostname()}")
     return Trainer(
-        loop=LoopConfig.from_config(cfg, dims.tp, simulated=simulated), model=model, pipeline=pipeline,
+        loop=LoopConfig.from_config(cfg, dims.tp, simulated=simulated), model=model,
+        family=model_spec(cfg).hooks, pipeline=pipeline,
         loss_fn=build_loss(cfg, kernels), precision=precision, kernels=kernels, optimizer=optimizer,
         lr_scheduler=lr_scheduler, beta2_scheduler=beta2_scheduler, grad_scaler=grad_scaler,
         train_loader=train_loader, valid_loaders=valid_loaders, batch_skipper=batch_skipper, state=state, dims=dims,

@@ -16,7 +16,7 @@ from ..distributed.parallel_dims import ParallelDims
 from ..errors import DataError
 from ..loss import FlashGPTLMLoss
 from ..metrics import AccPerplex, Throughput
-from ..model import document_ids_from_cu_seqlens
+from ..model import TrainingHooks, document_ids_from_cu_seqlens
 from ..numerics import Kernels, Precision
 from ..optim import Beta2Scheduler, DynamicGradScaler, WarmupCosineLR, clip_and_check
 from ..utils import collectives
@@ -86,6 +86,7 @@ class Trainer:
     loop: LoopConfig
     # what is trained, and how it is computed
     model: torch.nn.Module
+    family: TrainingHooks                 # the model family's part of the loop (MoE: aux-loss scale, metrics)
     pipeline: Optional[PipelineParallel]  # parallel.pipeline > 1: runs this rank's stages; else None
     loss_fn: FlashGPTLMLoss
     precision: Precision                  # autocast
@@ -194,6 +195,7 @@ class Trainer:
             total += loss.detach()
             if not forward_only:
                 fire("on_before_backward", self)
+                self.family.before_backward(self.model, scale / n)
                 with hook.phase("bwd"):
                     (loss * (scale / n)).backward()
                 fire("on_after_backward", self)
@@ -236,6 +238,8 @@ class Trainer:
             return loss * scale
 
         x = self._pipeline_inputs(batch, n)
+        # the schedule divides every gradient by n after the backwards (scale_grads): the family's losses too
+        self.family.before_backward(self.model, scale)
         with self.autocast(), hook.phase("fwd_bwd"):
             self.pipeline.train_step(x["input_ids"], x["labels"], x["type_ids"], x["position_ids"],
                                      x["document_ids"], criterion)
@@ -254,6 +258,7 @@ class Trainer:
             self.grad_scaler.update(not finite)
         if finite:
             self.optimizer.step()
+            self.family.after_step(self.model, self.dims.group("dp") if self.dims.dp > 1 else None)
             self.lr_scheduler.step()
             self.beta2_scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
@@ -316,6 +321,7 @@ class Trainer:
         metrics.update({f"time/{k}": v for k, v in self.timers.pop().items()})
         if self.comm is not None:
             metrics.update(self.comm.pop())
+        metrics.update(self.family.step_metrics(self.model))
         return metrics
 
     def train(self) -> TrainState:

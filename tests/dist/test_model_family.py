@@ -25,7 +25,7 @@ def _losses(tmp_path, name, nproc, extra=()):
 
 def test_toy_family_unknown_until_registered():
     from internlm_core.config import load_config
-    with pytest.raises(ConfigError, match=r"model_type: expected one of INTERNLM, INTERNLM2, LLAMA"):
+    with pytest.raises(ConfigError, match=r"model_type: expected one of INTERNLM, INTERNLM2, LLAMA, INTERNLM_MoE, MIXTRAL"):
         load_config("configs/tiny.py", ["model_type=TOYLM"])
     try:
         register()
@@ -73,7 +73,7 @@ def test_family_dimension_errors_name_the_key():
         assert cfg.parallel.dims == {"vocab_groups": 2}
         spec = cfg.model_inputs()
         from internlm_core.model import get_model_spec
-        dims = family_dims(get_model_spec(spec.model_type), cfg.parallel)
+        dims = family_dims(get_model_spec(spec.model_type), cfg.parallel, 4)
         assert dims == (("vg", 2),)
         assert ParallelDims(world_size=4, extra=dims).dp_shard_rest == 2
         with pytest.raises(ConfigError, match=r"parallel dimensions \(vg 2\) must divide the sharded data-parallel "

@@ -93,3 +93,25 @@ def test_same_folder_names_are_told_apart():
 
 def test_ema():
     assert plot_metrics.ema([1.0, 3.0, 3.0], 0.5) == [1.0, 2.0, 2.5]
+
+
+def test_moe_runs_get_a_load_balance_figure(tmp_path):
+    """A run with MoE metrics (moe/layer{i}/max_load, min_load, dropped) gets moe_balance.png with a curve per
+    layer; dense runs do not (the other tests count 6 figures)."""
+    folder = tmp_path / "moe"
+    folder.mkdir()
+    rows = [{"kind": "train", "step": s, "loss": 5.0, "moe/layer0/max_load": 1.0 + 1.0 / s,
+             "moe/layer0/min_load": 1.0 - 0.5 / s, "moe/layer0/dropped": 0.1 / s,
+             "moe/layer1/max_load": 1.5 + 0.5 / s, "moe/layer1/min_load": 0.5 - 0.2 / s,
+             "moe/layer1/dropped": 0.05 / s}
+            for s in range(1, 30)]
+    (folder / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    run = plot_metrics.read_run(folder)
+    assert plot_metrics.moe_layers(run) == ["layer0", "layer1"]
+    paths = plot_metrics.plot_runs([run], tmp_path / "plots")
+    assert tmp_path / "plots" / "moe_balance.png" in paths
+    import matplotlib.image as mpimg
+
+    img = mpimg.imread(tmp_path / "plots" / "moe_balance.png")[..., :3]
+    for color in (C0, C1):  # a color per layer
+        assert (np.abs(img - color).max(axis=-1) < 0.08).sum() > 200, color

@@ -12,7 +12,6 @@ MAX_FILE_LINES = 450
 
 # path (relative to the repository) → why it may break the rules for now; remove the entry when it is fixed
 KNOWN_EXCEPTIONS = {
-    "internlm_core/estimate.py": "being split (issue 24)",
 }
 
 

@@ -74,7 +74,7 @@ def test_wrong_type_names_key_value_and_type():
      r"world size 6 is not divisible by parallel.tensor \* parallel.pipeline \(2 \* 2 = 4\)"),
     ({"parallel": {"zero1": 3}}, 4, r"parallel.zero1 \(3\) must divide the data-parallel size \(4"),
     ({"data": {"packed_length": 100}}, None, r"data.packed_length \(100\) must equal data.seq_len \* data.micro_bsz"),
-    ({"model_type": "INTERNLM3"}, None, r"model_type: expected one of INTERNLM, INTERNLM2, LLAMA"),
+    ({"model_type": "INTERNLM3"}, None, r"model_type: expected one of INTERNLM, INTERNLM2, LLAMA, INTERNLM_MoE, MIXTRAL"),
     ({"model": {"dtype": "torch.float8"}}, None, r"model.dtype: expected one of"),
     ({"ckpt": {"enable_save_ckpt": True}}, None, r"ckpt.save_ckpt_folder: must be set"),
 ])

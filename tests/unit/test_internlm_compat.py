@@ -40,7 +40,7 @@ def test_internlm_and_internevo_configs_load_as_written(name):
     assert lines and lines[0].startswith("config keys kept for compatibility only") and "embed_split_hidden" in lines[0]
 
 
-def test_dry_run_lines_and_moe_refused_in_one_line(capsys):
+def test_dry_run_lines_and_moe_configs(capsys):
     sys.path.insert(0, str(ROOT))
     import train
     from internlm_core.utils.cli import run_main
@@ -49,11 +49,22 @@ def test_dry_run_lines_and_moe_refused_in_one_line(capsys):
     out = capsys.readouterr().out
     assert "note: config keys kept for compatibility only" in out and "generation" in out
     assert "parallel.tensor.mode='isp'" in out and "built on the meta device: 7,737,708,544" in out
+    # InternEvo's MoE config as written: model.top_k moves to moe.top_k, parallel.expert=dict(size=-1, no_tp=False)
+    # becomes the expert-parallel size, expert_zero1 / expert_weight are compatibility-only
+    assert train.main(["--config", str(FIXTURES / "internevo_7B_MoE4_sft.py"), "--dry-run"]) == 0
+    out = capsys.readouterr().out
+    assert "model.top_k=2 -> moe.top_k" in out and "parallel.expert_zero1" in out
+    # 32 layers: attention 4 * 4096^2, 4 experts of 3 * 4096 * 5632 and a 4-way router each; embedding and output
+    per_layer = 4 * 4096 * 4096 + 4 * 3 * 4096 * 5632 + 4 * 4096 + 4 * 4096 + 2 * 4096
+    assert f"built on the meta device: {32 * per_layer + 2 * 103168 * 4096 + 4096:,}" in out
+    # a dense model_type with experts asked for: one line naming the MoE families
     with pytest.raises(SystemExit) as e:
-        run_main(lambda: train.main(["--config", str(FIXTURES / "internevo_7B_MoE4_sft.py"), "--dry-run"]))
+        run_main(lambda: train.main(["--config", str(FIXTURES / "internevo_7B_MoE4_sft.py"), "--dry-run",
+                                     "--set", "model_type=INTERNLM"]))
     err = capsys.readouterr().err
     assert e.value.code == 2 and err.count("\n") == 1
-    assert "MoE is not supported (model_type 'INTERNLM_MoE')" in err
+    assert "model.num_experts=4: model_type 'INTERNLM' is dense; mixture-of-experts needs an MoE model_type " \
+           "(INTERNLM_MoE, MIXTRAL)" in err
 
 
 def test_forms_map_or_refuse():
@@ -67,7 +78,7 @@ def test_forms_map_or_refuse():
         ({"parallel": {"tensor": {"size": 1}, "weight": {"size": 2}}},
          r"parallel.weight.size=2: weight parallel needs parallel.tensor.mode='isp'"),
         ({"parallel": {"tensor": {"size": 2, "mode": "xtp"}}}, r"parallel.tensor.mode: expected one of mtp, msp"),
-        ({"model": {"num_experts": 4}}, r"MoE is not supported \(model.num_experts=4\)"),
+        ({"model": {"num_experts": 4}}, r"model.num_experts=4: model_type 'INTERNLM' is dense"),
         ({"model": {"drop_rate": 0.1}}, r"model.drop_rate=0.1: dropout is not implemented"),
         ({"parallel": {"sequence_2D": {"enable": True}}}, r"2D sequence parallel .* nearest layout is"),
         ({"ckpt": {"load_ckpt_folder": "/a", "load_model_only_folder": "/b"}}, r"are both set"),

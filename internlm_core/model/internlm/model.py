@@ -56,12 +56,12 @@ class FeedForward(nn.Module):
 
 
 class TransformerBlock(nn.Module):
-    def __init__(self, a: ModelArgs):
+    def __init__(self, a: ModelArgs, feed_forward: Optional[nn.Module] = None):
         super().__init__()
         self.attention_norm = RMSNorm(a.hidden_size, a.norm_eps, a.use_fp32_norm)
         self.attention = Attention(a)
         self.ffn_norm = RMSNorm(a.hidden_size, a.norm_eps, a.use_fp32_norm)
-        self.feed_forward = FeedForward(a)
+        self.feed_forward = feed_forward if feed_forward is not None else FeedForward(a)  # MoE families pass theirs
         self.post_norm = a.apply_post_layer_norm
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: PackedMeta) -> torch.Tensor:
@@ -95,7 +95,8 @@ class Transformer(nn.Module):
         super().__init__()
         self.args = a
         self.tok_embeddings: Optional[nn.Embedding] = nn.Embedding(a.vocab_size, a.hidden_size)
-        self.layers = nn.ModuleDict({str(i): TransformerBlock(a) for i in range(a.num_layers)})
+        self.layers = nn.ModuleDict({str(i): TransformerBlock(a, self.make_feed_forward(a, i))
+                                     for i in range(a.num_layers)})
         self.norm: Optional[RMSNorm] = RMSNorm(a.hidden_size, a.norm_eps, a.use_fp32_norm)
         self.output: Optional[nn.Linear] = Linear(a.hidden_size, a.vocab_size, bias=False)
         if a.tie_word_embeddings:
@@ -103,6 +104,10 @@ class Transformer(nn.Module):
         self.rope = Rotary(a)  # a module of its own: pipeline chunks share it (and its materialized tables)
         if self.rope.cos.device.type != "meta":  # built directly on a device: usable at once
             self.init_weights()
+
+    def make_feed_forward(self, a: ModelArgs, layer: int) -> Optional[nn.Module]:
+        """The FFN of block `layer`; None: the dense SwiGLU (a mixture-of-experts family returns its MoE layer)."""
+        return None
 
     def init_weights(self, seed: int = 0, buffer_device: Optional[torch.device] = None) -> None:
         """N(0, init_std) matrices, zero biases, unit norms, each from its own generator (model/init.py: the same

@@ -11,10 +11,11 @@ Self-contained: imports torch and the shared model layers only (no config, distr
 from .args import MoEArgs
 from .aux_loss import aux_loss_scale, set_aux_loss_scale
 from .balance import moe_layers, update_expert_bias
+from .dispatch import pop_all_to_all_bytes
 from .experts import grouped_mm_available
 from .layer import MoEFeedForward
 from .router import Routing, route
 from .stats import MoEStats
 
 __all__ = ["MoEArgs", "MoEFeedForward", "MoEStats", "Routing", "aux_loss_scale", "grouped_mm_available",
-           "moe_layers", "route", "set_aux_loss_scale", "update_expert_bias"]
+           "moe_layers", "pop_all_to_all_bytes", "route", "set_aux_loss_scale", "update_expert_bias"]

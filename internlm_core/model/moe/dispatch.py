@@ -22,6 +22,25 @@ import torch.distributed as dist
 from .router import Routing
 
 
+# the rows this process sent to other ranks with the token all-to-alls (forward and backward) since the last
+# `pop_all_to_all_bytes` (the step's comm/all_to_all_bytes metric; what a rank sends itself is not sent)
+_SENT = {"bytes": 0, "calls": 0}
+
+
+def _count(x: torch.Tensor, in_splits: list[int], group) -> None:
+    own = dist.get_rank(group)
+    row = x[0].numel() * x.element_size() if x.shape[0] else 0
+    _SENT["bytes"] += row * (sum(in_splits) - in_splits[own])
+    _SENT["calls"] += 1
+
+
+def pop_all_to_all_bytes() -> dict[str, int]:
+    """{"bytes", "calls"} of the token all-to-alls since the last call (this process), and reset."""
+    out = dict(_SENT)
+    _SENT.update(bytes=0, calls=0)
+    return out
+
+
 class _AllToAll(torch.autograd.Function):
     """all_to_all_single with uneven splits along dim 0; the gradient takes the reverse route."""
 
@@ -30,6 +49,7 @@ class _AllToAll(torch.autograd.Function):
         ctx.splits, ctx.group = (out_splits, in_splits), group
         out = x.new_empty((sum(out_splits),) + tuple(x.shape[1:]))
         dist.all_to_all_single(out, x.contiguous(), out_splits, in_splits, group=group)
+        _count(x, in_splits, group)
         return out
 
     @staticmethod
@@ -37,6 +57,7 @@ class _AllToAll(torch.autograd.Function):
         out_splits, in_splits = ctx.splits
         back = grad.new_empty((sum(in_splits),) + tuple(grad.shape[1:]))
         dist.all_to_all_single(back, grad.contiguous(), in_splits, out_splits, group=ctx.group)
+        _count(grad, out_splits, ctx.group)
         return back, None, None, None
 
 

@@ -1,0 +1,92 @@
+"""The MoE transformer's counts (model/counts.py) for the estimator: the dense block's attention side and norms
+(internlm/counts.py), and per block the router, the experts (their weights split over "ep", the expert-parallel
+dimension), the shared experts, and what routing keeps and sends.
+
+Per token and block, with E experts of width f, k experts per token, h hidden, a compute bytes, c the capacity
+factor (GShard: an expert's buffer holds c * k * tokens / E slots; dropless: k):
+
+    router             4 * E + 8 * k           fp32 logits and probabilities, the chosen ids and weights
+    routed copies      2 * c * k * a * h       each routed token's input to its expert and the expert's output
+    experts' SwiGLU    4 * c * k * a * f       w1 x, silu(w1 x), w3 x, their product, for every routed copy
+    all-to-all         4 * k * a * h           dispatch and combine, forward and backward, under expert parallel
+                                               (the upper bound: the share a rank keeps for itself is not sent)
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ..counts import ActivationContext, Linear, ModelCounts, Parameters, Term
+from ..internlm import counts as dense
+
+EP, TP = ("ep",), ("tp",)
+
+
+def _routed(a: Any) -> float:
+    """Routed copies per token: k, or the GShard buffer's c * k slots."""
+    m = a.moe
+    return m.top_k * (1.0 if m.moe_type == "Dropless" else max(m.capacity_factor, m.eval_capacity_factor))
+
+
+def block(a: Any) -> Parameters:
+    """The dense block without its FFN, the router [E, h], the experts [E, f, h] x 2 and [E, h, f] (split over
+    "ep"), and InternEvo's residual MLP with its 2-way coefficient when there are shared experts."""
+    base = dense.block(a)
+    m, h = a.moe, a.hidden_size
+    f, E = m.ffn_width, m.num_experts
+    linears = [w for w in base.linears if not w.name.startswith("feed_forward.")]
+    linears += [Linear("feed_forward.gate", E, h), Linear("feed_forward.experts.w1", E * f, h, EP),
+                Linear("feed_forward.experts.w3", E * f, h, EP), Linear("feed_forward.experts.w2", h, E * f, EP)]
+    others = list(base.others)
+    if m.num_shared_experts:
+        s = m.num_shared_experts * f
+        linears += [Linear("feed_forward.shared_experts.w1", s, h), Linear("feed_forward.shared_experts.w3", s, h),
+                    Linear("feed_forward.shared_experts.w2", h, s), Linear("feed_forward.coefficient", 2, h)]
+        others.append(Term("coefficient bias", 2))
+    return Parameters(tuple(linears), tuple(others))
+
+
+def active_parameters(a: Any) -> int:
+    """Parameters one token's forward multiplies: every block's but only k of its E experts, plus the embedding
+    side and the head (what FLOPs per token count, as dense models count all)."""
+    m = a.moe
+    per_block = sum(w.elements for w in block(a).linears if not w.name.startswith("feed_forward.experts."))
+    per_block += 3 * m.top_k * m.ffn_width * a.hidden_size
+    return a.num_layers * per_block
+
+
+def block_flops_per_token(a: Any, seq_len: int) -> float:
+    """2 per weight a token multiplies (k experts of E) and the attention's 4 * h * s."""
+    m = a.moe
+    weights = sum(w.elements for w in block(a).linears if not w.name.startswith("feed_forward.experts."))
+    return 2 * (weights + 3 * m.top_k * m.ffn_width * a.hidden_size) + 4 * a.hidden_size * seq_len
+
+
+def block_activations(a: Any, c: ActivationContext) -> list[Term]:
+    m, h, comp = a.moe, a.hidden_size, c.compute_bytes
+    terms = [t for t in dense.block_activations(a, c) if t.name != "SwiGLU"]
+    routed = _routed(a)
+    terms += [Term("router", 4 * m.num_experts + 8 * m.top_k),
+              Term("routed copies", 2 * routed * comp * h),
+              Term("experts' SwiGLU", 4 * routed * comp * m.ffn_width)]
+    if m.num_shared_experts:
+        terms.append(Term("shared experts' SwiGLU", 4 * comp * m.num_shared_experts * m.ffn_width))
+    return terms
+
+
+def block_communication(a: Any, c: ActivationContext) -> list[Term]:
+    return [Term("expert all-to-all", 4 * a.moe.top_k * c.compute_bytes * a.hidden_size)]
+
+
+COUNTS = ModelCounts(block=block, embedding=dense.embedding, head=dense.head,
+                     block_flops_per_token=block_flops_per_token, block_activations=block_activations,
+                     checkpointed_block_activations=dense.checkpointed_block_activations,
+                     shared_activations=dense.shared_activations, head_activations=dense.head_activations,
+                     logits=dense.logits, block_communication=block_communication)
+
+
+def flops_per_token(a: Any, seq_len: int) -> int:
+    """Model FLOPs per trained token (the dense convention, 6 per active non-embedding parameter plus attention):
+    what MFU and the throughput line count for an MoE model."""
+    head = a.vocab_size * a.hidden_size
+    return int(6 * (active_parameters(a) + head) + 12 * a.num_layers * a.hidden_size * seq_len)
