@@ -26,6 +26,7 @@ from ..model import ModelInputs, build_model, count_parameters, model_args, mode
 from ..numerics import Kernels, Precision, resolve_precision, select_kernels
 from ..optim import Beta2Scheduler, DynamicGradScaler, WarmupCosineLR, build_optimizer
 from ..parallel import CommCounter, family_dims, parallel_options, parallelize_model
+from ..utils import collectives
 from ..utils.logging import get_logger
 from ..utils.memory import keep_freed_cpu_memory, return_large_freed_cpu_memory
 from ..utils.peak import device_peak_flops
@@ -45,7 +46,7 @@ def resolve_run_dir(cfg: Config, run_dir: Optional[str], launch: LaunchInfo) -> 
     if run_dir is None:
         stamp = [datetime.datetime.now().strftime("%Y%m%d-%H%M%S")]
         if launch.distributed:
-            dist.broadcast_object_list(stamp, src=0)
+            collectives.broadcast_object_list(stamp, src=0)
         run_dir = os.path.join("RUN", cfg.JOB_NAME, stamp[0])
     path = Path(run_dir)
     path.mkdir(parents=True, exist_ok=True)

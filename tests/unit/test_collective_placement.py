@@ -39,12 +39,7 @@ FACTORIES = {"zeros", "ones", "empty", "full", "tensor", "arange", "rand", "rand
 
 # path (a file, or a folder ending in /) -> why it may call torch.distributed's collectives directly (remove the
 # entry once it goes through the door)
-RAW_COLLECTIVES_ALLOWED = {
-    "internlm_core/trainer/build.py": "resolve_run_dir's broadcast_object_list (an object collective, fine on NCCL "
-                                      "with the launch's current device); the file is another engineer's now",
-    "internlm_core/model/moe/": "the MoE family in progress (another engineer's): its all-to-alls and the expert "
-                                "loads' all-reduce take tensors on the model's device; the door has all_to_all_single",
-}
+RAW_COLLECTIVES_ALLOWED: dict[str, str] = {}
 
 
 def _raw_allowed(rel: str) -> bool:

@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from ...utils import collectives
 from .layer import MoEFeedForward
 
 
@@ -39,7 +40,7 @@ def update_expert_bias(model: nn.Module, group: Optional[dist.ProcessGroup] = No
         loads.append(load if load is not None else torch.zeros_like(m.gate.expert_bias, dtype=torch.float32))
     stacked = torch.stack([load.to(layers[0].gate.expert_bias.device) for load in loads])
     if group is not None and dist.is_initialized() and dist.get_world_size(group) > 1:
-        dist.all_reduce(stacked, group=group)
+        collectives.all_reduce(stacked, group=group)
     for m, load in zip(layers, stacked):
         bias = m.gate.expert_bias
         step = m.args.expert_bias_update_rate * torch.sign(load.mean() - load)

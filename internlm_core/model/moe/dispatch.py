@@ -19,6 +19,8 @@ from typing import Callable, Optional
 import torch
 import torch.distributed as dist
 
+from ...utils import collectives
+
 from .router import Routing
 
 
@@ -48,7 +50,7 @@ class _AllToAll(torch.autograd.Function):
     def forward(ctx, x: torch.Tensor, out_splits: list[int], in_splits: list[int], group) -> torch.Tensor:
         ctx.splits, ctx.group = (out_splits, in_splits), group
         out = x.new_empty((sum(out_splits),) + tuple(x.shape[1:]))
-        dist.all_to_all_single(out, x.contiguous(), out_splits, in_splits, group=group)
+        collectives.all_to_all_single(out, x.contiguous(), out_splits, in_splits, group=group)
         _count(x, in_splits, group)
         return out
 
@@ -56,7 +58,7 @@ class _AllToAll(torch.autograd.Function):
     def backward(ctx, grad: torch.Tensor):
         out_splits, in_splits = ctx.splits
         back = grad.new_empty((sum(in_splits),) + tuple(grad.shape[1:]))
-        dist.all_to_all_single(back, grad.contiguous(), in_splits, out_splits, group=ctx.group)
+        collectives.all_to_all_single(back, grad.contiguous(), in_splits, out_splits, group=ctx.group)
         _count(grad, out_splits, ctx.group)
         return back, None, None, None
 
@@ -100,7 +102,7 @@ def run_expert_parallel(rows: torch.Tensor, counts: torch.Tensor, experts: Exper
     experts living on the `ep_size` ranks of `group` (steps 1-3 of the module docstring)."""
     num_local = counts.numel() // ep_size
     recv = torch.empty_like(counts)
-    dist.all_to_all_single(recv, counts, group=group)  # recv[s * num_local + j]: rows from s for local expert j
+    collectives.all_to_all_single(recv, counts, group=group)  # recv[s * num_local + j]: rows from s for local expert j
     send_splits = counts.view(ep_size, num_local).sum(dim=1).tolist()
     recv_counts = recv.view(ep_size, num_local)
     recv_splits = recv_counts.sum(dim=1).tolist()
