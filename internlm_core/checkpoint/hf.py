@@ -160,7 +160,7 @@ def export_hf(out_dir: str | os.PathLike, cfg: Any, source: Mapping[str, torch.T
         raise CheckpointError(f"export dtype {dtype!r}: expected one of {', '.join(DTYPES)}")
     tdtype = DTYPES[dtype]
     adapter = export_adapter(cfg, arch)
-    conf = adapter.foreign_config(cfg, dtype, {})  # type: ignore[misc]  # refuses what the class cannot hold early
+    conf = adapter.foreign_config(cfg.model_inputs(), dtype, {})  # type: ignore[misc]  # refuses what the class cannot hold early
     shapes = model_shapes(cfg)
     ctx = context(model_args_from_config(cfg))
     plan = groups(shapes)
@@ -202,7 +202,7 @@ def export_hf(out_dir: str | os.PathLike, cfg: Any, source: Mapping[str, torch.T
     tok = write_tokenizer_files(tok_spec, out, cfg.data.seq_len)
     files = write_safetensors_shards(list(owner), nbytes, load_shard, out, parse_size(max_shard_size), progress)
     ids = tok.special_ids
-    conf = adapter.foreign_config(cfg, dtype, ids)  # type: ignore[misc]
+    conf = adapter.foreign_config(cfg.model_inputs(), dtype, ids)  # type: ignore[misc]
     (out / "config.json").write_text(json.dumps(conf, indent=2) + "\n")
     gen = {"_from_model_config": True, **{k: v for k, v in ids.items() if v is not None}}
     (out / "generation_config.json").write_text(json.dumps(gen, indent=2) + "\n")

@@ -202,7 +202,7 @@ def write_internlm_folder(out_dir: str | os.PathLike, cfg: Any,
             files.append(path)
         if progress is not None:
             progress(f"pipeline stage {p}: layers {lo}..{hi - 1}, {tp} tensor shard(s)")
-    config = adapter.foreign_config(cfg, dtype) if adapter.foreign_config is not None else {}
+    config = adapter.foreign_config(cfg.model_inputs(), dtype) if adapter.foreign_config is not None else {}
     torch.save(config, out / MODEL_CONFIG)
     files.append(out / MODEL_CONFIG)
     return files

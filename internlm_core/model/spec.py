@@ -162,8 +162,8 @@ class StateDictAdapter:
     whole layers (the generic code converts one layer at a time), names and tensors where a format packs them.
     For format "internlm" the foreign side is {tensor rank: state dict} with the pipeline stages merged (global
     layer numbers). A tied output is produced from, and restored to, the embedding.
-    foreign_config(cfg, dtype_name, special_ids) -> the foreign config (HF config.json, InternLM's
-    model_config.pt) of our Config; config_from_foreign(foreign_config) -> our `model` keys (CheckpointError
+    foreign_config(inputs: ModelInputs, dtype_name, special_ids) -> the foreign config (HF config.json, InternLM's
+    model_config.pt) of our model (`Config.model_inputs()`); config_from_foreign(foreign_config) -> our `model` keys (CheckpointError
     for what the family cannot represent). architectures: the HF classes this adapter reads and writes.
     """
 

@@ -108,7 +108,7 @@ def _common_config(cfg: Any, torch_dtype: str, special_ids: Optional[Mapping[str
         "vocab_size": m.vocab_size, "hidden_size": m.hidden_size, "intermediate_size": ffn_width(m),
         "num_hidden_layers": m.num_layers, "num_attention_heads": m.num_attention_heads,
         "num_key_value_heads": m.num_kv_attention_heads or m.num_attention_heads, "hidden_act": "silu",
-        "max_position_embeddings": cfg.data.seq_len, "initializer_range": m.init_std,
+        "max_position_embeddings": cfg.seq_len, "initializer_range": m.init_std,
         "rms_norm_eps": m.layer_norm_epsilon, "rope_theta": float(m.rope_base),
         "tie_word_embeddings": bool(m.tie_word_embeddings), "bos_token_id": ids.get("bos_token_id"),
         "eos_token_id": ids.get("eos_token_id"), "pad_token_id": ids.get("pad_token_id"), "use_cache": True,

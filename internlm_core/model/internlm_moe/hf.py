@@ -75,7 +75,7 @@ def mixtral_from_hf(hf: Mapping[str, torch.Tensor], ctx: AdapterContext) -> dict
 def mixtral_config(cfg: Any, torch_dtype: str = "float32",
                    special_ids: Optional[Mapping[str, Optional[int]]] = None) -> dict:
     """The config.json of a MixtralForCausalLM equivalent to `cfg` (a dropless, softmax, renormalized top-k MoE)."""
-    m, r = cfg.model, cfg.moe
+    m, r = cfg.model, cfg.moe  # cfg: ModelInputs
     if m.moe_type not in ("Dropless", "MegaBlock-Dropless") or r.score_func != "softmax" or not r.norm_topk_prob:
         raise CheckpointError(f"model.moe_type={m.moe_type} / moe.score_func={r.score_func} / moe.norm_topk_prob="
                               f"{r.norm_topk_prob}: MixtralForCausalLM routes dropless, softmax, renormalized top-k")
@@ -88,7 +88,7 @@ def mixtral_config(cfg: Any, torch_dtype: str = "float32",
     c["intermediate_size"] = m.moe_intermediate_size or c["intermediate_size"]
     return {"architectures": ["MixtralForCausalLM"], "model_type": "mixtral", **c,
             "head_dim": m.hidden_size // m.num_attention_heads, "num_local_experts": m.num_experts,
-            "num_experts_per_tok": r.top_k, "router_aux_loss_coef": cfg.loss.moe_loss_coeff,
+            "num_experts_per_tok": r.top_k, "router_aux_loss_coef": cfg.moe_loss_coeff,
             "output_router_logits": False, "router_jitter_noise": 0.0, "sliding_window": None,
             "attention_dropout": 0.0, "rope_parameters": {"rope_type": "default", "rope_theta": float(m.rope_base)}}
 
