@@ -1,6 +1,7 @@
 """Mixture-of-experts families under expert parallel (gloo, CPU): configs/tiny.py becomes an MoE model by
 overrides alone, expert parallel 2 and 4 (with FSDP; with pipeline parallel and activation checkpointing) train as
-expert parallel 1 on the same global batch (fp32, per-step losses within 1e-5), dropless and with capacity, and a
+expert parallel 1 on the same global batch (fp32, per-step losses within 1e-5), dropless and with capacity, tensor
+parallel (alone and with expert and sequence parallel) trains as one process, and a
 checkpoint taken at expert parallel 2 resumes at 1 and 4.
 
 The global batch is 4 micro-batches of 2 rows x 64 tokens. Dropless routing does not depend on how the batch is
@@ -59,6 +60,18 @@ def test_expert_parallel_equals_one_expert_group(tmp_path):
     pp = _run(tmp_path, "ep2_pp2", 4, [*DROPLESS, "parallel.expert=2", "parallel.pipeline=2", "data.micro_num=2",
                                        "model.checkpoint=True"])
     _close(losses, [r["loss"] for r in pp], "ep2 x pp2")
+
+
+def test_tensor_parallel_moe_equals_one_process(tmp_path):
+    """Tensor parallel of a MoE model (experts replicated over it, InternEvo's no_tp): tensor 2 alone, and tensor 2
+    x expert 2 with sequence parallel on 4 ranks, with shared experts, train as one process."""
+    shared = [*DROPLESS, "model.moe_use_residual=True"]
+    ref = [r["loss"] for r in _run(tmp_path, "one", 1, [*shared, "data.micro_num=4"])]
+    tp2 = _run(tmp_path, "tp2", 2, [*shared, "parallel.tensor=2", "data.micro_num=4"])
+    _close(ref, [r["loss"] for r in tp2], "tp2")
+    tp2_ep2 = _run(tmp_path, "tp2_ep2", 4, [*shared, "parallel.tensor=2", "parallel.sequence_parallel=True",
+                                            "parallel.expert=2", "data.micro_num=2"])
+    _close(ref, [r["loss"] for r in tp2_ep2], "tp2 x ep2 with sequence parallel")
 
 
 def test_expert_parallel_with_capacity_drops_the_same_tokens(tmp_path):

@@ -19,7 +19,7 @@ stage 0 also holds the embedding, the last stage the final norm and the output.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable, Optional
 
 import torch
 import torch.nn as nn
@@ -85,8 +85,10 @@ def _copy_output(module: nn.Module, inputs: tuple, output: torch.Tensor) -> torc
     return output.clone()
 
 
-def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, options: TensorParallelOptions) -> None:
-    """Shard `model` (a Transformer, possibly one pipeline stage's part of it) over `tp_mesh`, in place."""
+def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, options: TensorParallelOptions,
+                          layer_plan: Optional[Callable[[nn.Module, bool], dict[str, ParallelStyle]]] = None) -> None:
+    """Shard `model` (a Transformer, possibly one pipeline stage's part of it) over `tp_mesh`, in place.
+    layer_plan(block, sequence_parallel): a block's plan when not every block is dense (a MoE family's)."""
     tied = (model.tok_embeddings is not None and model.output is not None
             and model.output.weight is model.tok_embeddings.weight)
     parallelize_module(model, tp_mesh, root_plan(model, options.sequence_parallel, options.parallel_output,
@@ -94,7 +96,8 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, options: Tensor
     if tied:  # both are sharded along the vocabulary (Shard(0)): share the one DTensor again
         model.output.weight = model.tok_embeddings.weight
     for layer in model.layers.values():
-        parallelize_module(layer, tp_mesh, block_plan(options.sequence_parallel))
+        plan = layer_plan(layer, options.sequence_parallel) if layer_plan else block_plan(options.sequence_parallel)
+        parallelize_module(layer, tp_mesh, plan)
     if options.compile and model.tok_embeddings is not None:
         model.tok_embeddings.register_forward_hook(_copy_output)
 

@@ -48,9 +48,10 @@ def validate_moe(inputs: ModelInputs, grouped_query: bool) -> None:
         raise ConfigError(f"moe.score_func: expected softmax or sigmoid, got {r.score_func!r}")
     if r.noisy_gate_policy not in (None, "Jitter", "RSample"):
         raise ConfigError(f"moe.noisy_gate_policy: expected None, 'Jitter' or 'RSample', got {r.noisy_gate_policy!r}")
-    if p.tensor > 1:
-        raise ConfigError(f"parallel.tensor ({p.tensor}) with model_type {inputs.model_type}: tensor parallel of "
-                          "MoE models is not implemented yet (expert and data parallel are)")
+    width = (m.moe_intermediate_size or ffn_width(m)) if m.moe_use_residual else 0
+    if p.tensor > 1 and width % p.tensor:
+        raise ConfigError(f"parallel.tensor ({p.tensor}) must divide the shared experts' width ({width}, "
+                          "model.moe_intermediate_size): they are tensor-parallel like a dense FFN")
     ep = int(p.dims.get("expert", 1))
     if ep > 1 and m.num_experts % ep:
         raise ConfigError(f"parallel.expert ({ep}) must divide model.num_experts ({m.num_experts}): each "
