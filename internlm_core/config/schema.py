@@ -106,11 +106,23 @@ class MoEConfig:
     norm_topk_prob: bool = f(True, "Renormalize each token's top_k routing weights to sum to 1 (Mixtral, Qwen3-MoE).")
     z_loss_coeff: float = f(0.0, "Router z-loss coefficient (ST-MoE); 0: off.")
     expert_bias_update_rate: float = f(0.0, "Aux-loss-free balancing (DeepSeek-V3): per-expert bias on the selection scores, moved by this rate toward balance after each step; 0: off.")
+    expert_gemm: str = f("auto", "How the experts multiply: auto (torch's grouped GEMM on CUDA where it runs for the compute dtype, one GEMM per expert otherwise), loop, grouped; chosen once in numerics/.")
+
+
+@dataclass
+class ContextConfig:
+    """Context parallel (`parallel.context`; `parallel.context=N` means dict(size=N)): the ranks of one context
+    group read the same rows and each keeps the zigzag chunks r and 2*size-1-r of every sequence (equal causal
+    work); attention exchanges keys/values or heads between them."""
+
+    size: int = f(1, "Ranks sharing each sequence (1: off); data parallel = world / (tensor * pipeline * size); data.seq_len must be divisible by 2 * size.")
+    mode: str = f("ring", "ring (keys/values pass around the ranks; any head count), all_to_all (Ulysses: heads exchanged; heads per tensor-parallel rank divisible by size), 2d (all_to_all within groups of `inner` ranks, ring across them; InternEvo's sequence_2D).")
+    inner: int = f(1, "2d: ranks of each all-to-all (head) group, dividing size; InternEvo's head_size (the dict also takes head_size).")
 
 
 @dataclass
 class ParallelConfig:
-    """Parallel layout (InternLM's `parallel` section); data parallel = world / (tensor * pipeline)."""
+    """Parallel layout (InternLM's `parallel` section); data parallel = world / (tensor * pipeline * context size)."""
 
     zero1: int = f(-1, "Optimizer/parameter sharding: <=0 shard over the whole data-parallel group, 1 none, k within groups of k (HSDP).")
     zero1_fsdp: bool = f(False, "InternLM's zero1=dict(fsdp=...); sharding here is always FSDP2 when zero1 != 1.", compat="zero1.fsdp")
@@ -118,6 +130,7 @@ class ParallelConfig:
     pipeline: int = f(1, "Pipeline-parallel size.")
     interleaved_overlap: bool = f(True, "Pipeline: overlap communication in the interleaved schedule.", compat="pipeline.interleaved_overlap")
     sequence_parallel: bool = f(False, "Shard activations along the sequence in norms/dropout under tensor parallel.")
+    context: ContextConfig = f(factory=ContextConfig, help="Context parallel: an int (the size) or dict(size, mode, inner); see ContextConfig.")
     dims: dict = f(help="Sizes of the parallel dimensions the model family adds (its plan's mesh_dims), by key; "
                         "written as `parallel.<key>=N` (e.g. a family's expert dimension), collected here.",
                    factory=dict)

@@ -41,7 +41,8 @@ class ModelInputs:
 
     model: the `model` section (config.schema.ModelConfig; read by attribute, since this package sits below
         `config`); seq_len: tokens of one sequence (data.seq_len); parallel: the layout its rules check.
-    moe, moe_loss_coeff: the MoE families' routing section and loss weight (dense families ignore them).
+    moe, moe_loss_coeff: the MoE families' routing section and loss weight (dense families ignore them);
+        expert_gemm: their expert kernel, as the run chose it.
     `Config.model_inputs()` makes one."""
 
     model_type: str
@@ -50,6 +51,7 @@ class ModelInputs:
     parallel: ParallelSizes = field(default_factory=ParallelSizes)
     moe: Any = None               # the `moe` section (config.schema.MoEConfig): routing of MoE families
     moe_loss_coeff: float = 0.0   # loss.moe_loss_coeff: weight of the MoE load-balancing loss
+    expert_gemm: str = "loop"     # the MoE layers' expert GEMM numerics.select_kernels chose (loop, grouped)
 
 
 @dataclass(frozen=True)

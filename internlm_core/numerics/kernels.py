@@ -44,6 +44,7 @@ CROSS_ENTROPY = ("flash", "fused_chunked", "fused_chunked_compiled", "torch", "v
 LINEAR = ("onednn", "torch", "fp32_gemm")
 OPTIMIZER = ("apex", "fused", "foreach")
 GRAD_REDUCE = ("micro_batch", "step")
+EXPERT_GEMM = ("loop", "grouped")
 
 
 @dataclass(frozen=True)
@@ -55,12 +56,14 @@ class Kernels:
     linear: str
     optimizer: str
     grad_reduce: str = "step"
+    expert_gemm: str = "loop"  # MoE families: one GEMM per expert, or torch's grouped GEMM
     notes: tuple[str, ...] = ()
     warnings: tuple[str, ...] = ()  # one per installed-but-broken accelerator, logged as a warning
 
     def describe(self) -> str:
         line = (f"kernels: attention {self.attention}, cross entropy {self.cross_entropy}, linear {self.linear}, "
-                f"optimizer {self.optimizer}, gradients reduced every {self.grad_reduce.replace('_', '-')}")
+                f"optimizer {self.optimizer}, gradients reduced every {self.grad_reduce.replace('_', '-')}"
+                + (", expert GEMMs grouped" if self.expert_gemm == "grouped" else ""))
         return line + (f" ({'; '.join(self.notes)})" if self.notes else "")
 
 
@@ -198,13 +201,42 @@ def select_grad_reduce(dp: int, dp_shard: int, pp: int, micro_num: int, notes: l
     return "micro_batch"
 
 
+def select_expert_gemm(requested: str, device_type: str, compute_dtype: torch.dtype, notes: list[str],
+                       grouped_runs: Optional[bool] = None) -> str:
+    """moe.expert_gemm (auto, loop, grouped) -> how the MoE layers multiply their experts.
+
+    auto: torch's grouped GEMM (`torch._grouped_mm`: one kernel for every local expert) on CUDA when it runs for the
+    compute dtype (bf16 on Hopper and later), the per-expert loop otherwise. On the CPU the loop is kept: its GEMMs
+    are the package's CPU-aware linear (oneDNN, fp32 GEMMs for 16-bit weights without native bf16), which the CPU
+    grouped GEMM is not, and it measured no faster here (bench/moe.py). "grouped" asked for where it does not run
+    is a ConfigError; the layer still loops for a micro-batch whose shapes it cannot take (unaligned widths).
+    grouped_runs: whether the grouped GEMM runs here (default: probed once with a tiny GEMM on the device)."""
+    if requested not in ("auto",) + EXPERT_GEMM:
+        raise ConfigError(f"moe.expert_gemm: expected auto, loop or grouped, got {requested!r}")
+    available = grouped_runs
+    if available is None:
+        from ..model.moe.experts import grouped_mm_available  # probes a tiny GEMM on the device once
+        available = device_type not in ("meta", "cuda") or torch.cuda.is_available()
+        available = available and grouped_mm_available(torch.device(device_type), compute_dtype)
+    if requested == "grouped" and not available:
+        raise ConfigError(f"moe.expert_gemm: 'grouped' requested but torch {torch.__version__}'s grouped GEMM does "
+                          f"not run for {compute_dtype} on {device_type}; use auto or loop")
+    if requested == "auto":
+        if device_type == "cuda" and available:
+            return "grouped"
+        notes.append("expert GEMMs loop per expert" + ("" if device_type == "cpu" else
+                                                        f" (no grouped GEMM for {compute_dtype} here)"))
+        return "loop"
+    return requested
+
+
 def select_kernels(model_cfg: Any, adam_cfg: Any, precision: Precision, device: torch.device | str, tp: int = 1,
                    dp: int = 1, dp_shard: int = 1, pp: int = 1, micro_num: int = 1, label_smoothing: float = 0.0,
-                   probes: Optional[Probes] = None, log: bool = True) -> Kernels:
+                   probes: Optional[Probes] = None, log: bool = True, moe_cfg: Any = None) -> Kernels:
     """Every kernel choice of a run (see the module docstring), with one log line saying what and why.
 
     model_cfg: the `model` section (attn_backend, use_flash_attn, compile, parallel_output);
-    adam_cfg: the `adam` section (fused). Parameters are DTensors whenever dp > 1 (FSDP2) or tp > 1.
+    adam_cfg: the `adam` section (fused); moe_cfg: the `moe` section of a MoE family (expert_gemm), else None. Parameters are DTensors whenever dp > 1 (FSDP2) or tp > 1.
     An accelerator that is installed but broken falls back with one warning; one that was asked for
     explicitly and cannot run is a ConfigError naming the key.
     """
@@ -219,7 +251,9 @@ def select_kernels(model_cfg: Any, adam_cfg: Any, precision: Precision, device: 
     linear = select_linear(device_type, precision, probes.onednn, probes.native_half_gemm, notes)
     optimizer = select_optimizer(adam_cfg.fused, device_type, dp > 1 or tp > 1, probes.apex, notes, fallbacks)
     grad_reduce = select_grad_reduce(dp, dp_shard, pp, micro_num, notes)
-    kernels = Kernels(attention, cross_entropy, linear, optimizer, grad_reduce, tuple(notes),
+    expert_gemm = "loop" if moe_cfg is None else select_expert_gemm(moe_cfg.expert_gemm, device_type,
+                                                                    precision.compute_dtype, notes)
+    kernels = Kernels(attention, cross_entropy, linear, optimizer, grad_reduce, expert_gemm, tuple(notes),
                       tuple(f"{package} {why}: {', '.join(what)}" for package, (why, what) in fallbacks.items()))
     if log:
         for warning in kernels.warnings:

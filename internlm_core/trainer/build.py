@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import datetime
 import json
 import os
@@ -82,7 +84,8 @@ def setup_numerics(cfg: Config, seed: int, precision: Precision) -> None:
 def build_kernels(cfg: Config, precision: Precision, device: torch.device, dims: ParallelDims) -> Kernels:
     """Every kernel choice of the run (attention, cross entropy, linear, optimizer, gradient reduction), logged."""
     return select_kernels(cfg.model, cfg.adam, precision, device, tp=dims.tp, dp=dims.dp, dp_shard=dims.dp_shard,
-                          pp=dims.pp, micro_num=cfg.data.micro_num, label_smoothing=cfg.loss.label_smoothing)
+                          pp=dims.pp, micro_num=cfg.data.micro_num, label_smoothing=cfg.loss.label_smoothing,
+                          moe_cfg=cfg.moe if cfg.model.num_experts > 1 else None)
 
 
 def build_loss(cfg: Config, kernels: Kernels) -> FlashGPTLMLoss:
@@ -211,6 +214,7 @@ def build_trainer(cfg: Config, launch: LaunchInfo, run_dir: Path, seed: Optional
     dims = ParallelDims.from_config(cfg.parallel, launch.world_size, extra=family_dims(model_spec(inputs), cfg.parallel, launch.world_size, inputs))
     dims.build_mesh(launch.device.type)
     kernels = build_kernels(cfg, precision, launch.device, dims)
+    inputs = dataclasses.replace(inputs, expert_gemm=kernels.expert_gemm)  # the MoE layers' kernel, chosen once
     write_run_files(cfg, run_dir, launch)
 
     model, pipeline, args = build_parallel_model(inputs, cfg, dims, launch, seed, precision, kernels)

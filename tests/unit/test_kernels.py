@@ -293,3 +293,40 @@ def test_apex_refuses_dtensor_parameters_built_by_hand():
     finally:
         if created:
             dist.destroy_process_group()
+
+
+def test_expert_gemm_is_chosen_once_per_device():
+    """moe.expert_gemm: auto takes the grouped GEMM on CUDA where it runs for the compute dtype, the per-expert loop
+    on the CPU and where it does not run; an explicit choice that cannot run is one ConfigError."""
+    from internlm_core.numerics.kernels import select_expert_gemm
+    bf16 = torch.bfloat16
+    assert select_expert_gemm("auto", "cuda", bf16, [], grouped_runs=True) == "grouped"
+    notes = []
+    assert select_expert_gemm("auto", "cuda", torch.float32, notes, grouped_runs=False) == "loop"
+    assert "no grouped GEMM" in notes[0]
+    assert select_expert_gemm("auto", "cpu", bf16, [], grouped_runs=True) == "loop"
+    assert select_expert_gemm("loop", "cuda", bf16, [], grouped_runs=True) == "loop"
+    assert select_expert_gemm("grouped", "cpu", torch.float32, [], grouped_runs=True) == "grouped"
+    with pytest.raises(ConfigError, match="moe.expert_gemm: 'grouped' requested"):
+        select_expert_gemm("grouped", "cuda", torch.float16, [], grouped_runs=False)
+    with pytest.raises(ConfigError, match="expected auto, loop or grouped"):
+        select_expert_gemm("fast", "cpu", bf16, [], grouped_runs=True)
+    # the real probe on this machine, through select_kernels: a MoE run on the CPU loops
+    from internlm_core.config.schema import MoEConfig
+    k = select_kernels(ModelConfig(), AdamConfig(), resolve_precision("torch.float32", "cpu"), "cpu", log=False,
+                       moe_cfg=MoEConfig())
+    assert k.expert_gemm == "loop" and "expert GEMMs loop per expert" in k.notes
+    assert select_kernels(ModelConfig(), AdamConfig(), resolve_precision("torch.float32", "cpu"), "cpu",
+                          log=False).expert_gemm == "loop"
+
+
+def test_expert_gemm_reaches_the_moe_layers():
+    """The choice travels in ModelInputs to every MoE layer of the built model."""
+    from internlm_core.config.loader import load_config
+    from internlm_core.model import build_model
+    cfg = load_config("configs/tiny.py", overrides=["model_type=INTERNLM_MoE", "model.num_experts=4",
+                                                    "model.num_layers=2", "moe.expert_gemm=grouped"])
+    inputs = dataclasses.replace(cfg.model_inputs(), expert_gemm="grouped")
+    model = build_model(inputs, "meta")
+    assert {layer.feed_forward.experts.gemm for layer in model.layers.values()} == {"grouped"}
+    assert {layer.feed_forward.experts.gemm for layer in build_model(cfg, "meta").layers.values()} == {"loop"}

@@ -13,9 +13,9 @@ DROPLESS = ("Dropless", "MegaBlock-Dropless")
 CAPACITY = ("GShard", "MegaBlock")
 
 
-def moe_args(inputs: ModelInputs, expert_gemm: str = "loop") -> MoEArgs:
+def moe_args(inputs: ModelInputs) -> MoEArgs:
     """MoEArgs of `inputs` (model.num_experts / moe_type / moe_use_residual / moe_intermediate_size, the moe
-    section, loss.moe_loss_coeff)."""
+    section, loss.moe_loss_coeff, the expert GEMM the run chose)."""
     m, r = inputs.model, inputs.moe
     return MoEArgs(num_experts=m.num_experts, top_k=r.top_k, ffn_width=m.moe_intermediate_size or ffn_width(m),
                    moe_type="Dropless" if m.moe_type in DROPLESS else "GShard",
@@ -24,7 +24,7 @@ def moe_args(inputs: ModelInputs, expert_gemm: str = "loop") -> MoEArgs:
                    noisy_gate_policy=r.noisy_gate_policy, score_func=r.score_func, norm_topk_prob=r.norm_topk_prob,
                    aux_loss_coeff=inputs.moe_loss_coeff, z_loss_coeff=r.z_loss_coeff,
                    expert_bias_update_rate=r.expert_bias_update_rate,
-                   num_shared_experts=1 if m.moe_use_residual else 0, expert_gemm=expert_gemm)
+                   num_shared_experts=1 if m.moe_use_residual else 0, expert_gemm=inputs.expert_gemm)
 
 
 def build_moe_args(inputs: ModelInputs, attn_backend: str) -> MoEModelArgs:
