@@ -69,8 +69,14 @@ def token_bytes(figures: ModelFigures, args: Any, ctx: ActivationContext, lay: L
         head=per_device(c.head_activations(args, ctx) + [logits, kept], s),
         logits=per_device([logits], s),
         loss_peak=per_device([peak], s),
-        communication={t.name: per_device([t], s) for t in c.block_communication(args, ctx)},
+        communication=_by_name(c.block_communication(args, ctx), s),
     )
+
+
+def _by_name(terms: list[Term], sizes: Any) -> dict[str, float]:
+    """Per-device value of each named quantity (a name may come in several terms with different divisors)."""
+    names = dict.fromkeys(t.name for t in terms)
+    return {n: per_device([t for t in terms if t.name == n], sizes) for n in names}
 
 
 @dataclass(frozen=True)

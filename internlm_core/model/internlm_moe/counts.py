@@ -8,8 +8,9 @@ factor (GShard: an expert's buffer holds c * k * tokens / E slots; dropless: k):
     router             4 * E + 8 * k           fp32 logits and probabilities, the chosen ids and weights
     routed copies      2 * c * k * a * h       each routed token's input to its expert and the expert's output
     experts' SwiGLU    4 * c * k * a * f       w1 x, silu(w1 x), w3 x, their product, for every routed copy
-    all-to-all         4 * k * a * h           dispatch and combine, forward and backward, under expert parallel
-                                               (the upper bound: the share a rank keeps for itself is not sent)
+    all-to-all         4 * k * a * h * (1 - 1 / ep)   dispatch and combine, forward and backward, under expert
+                                               parallel: each routed copy leaves the rank unless its expert is one
+                                               of the rank's own (1 / ep of them under balanced routing)
 """
 
 from __future__ import annotations
@@ -75,7 +76,11 @@ def block_activations(a: Any, c: ActivationContext) -> list[Term]:
 
 
 def block_communication(a: Any, c: ActivationContext) -> list[Term]:
-    return [Term("expert all-to-all", 4 * a.moe.top_k * c.compute_bytes * a.hidden_size)]
+    """The all-to-all bytes a rank sends per token and block: every routed copy, less the 1 / ep share that stays
+    (two terms of one name, the second divided by "ep": their sum is the whole times (1 - 1 / ep), 0 without
+    expert parallel). Balanced routing is assumed; an unbalanced router sends more or less (the counter says)."""
+    sent = 4 * a.moe.top_k * c.compute_bytes * a.hidden_size
+    return [Term("expert all-to-all", sent), Term("expert all-to-all", -sent, EP)]
 
 
 COUNTS = ModelCounts(block=block, embedding=dense.embedding, head=dense.head,
