@@ -31,6 +31,7 @@ from typing import Callable, Optional
 
 from ..errors import CheckpointError
 from ..utils.logging import get_logger
+from ..utils.redact import redact_argv
 from .storage import LEASE, Storage
 
 logger = get_logger(__name__)
@@ -87,7 +88,7 @@ class Holder:
     @classmethod
     def me(cls, run_dir: str = "") -> "Holder":
         return cls(socket.gethostname(), os.getpid(), process_start_time(os.getpid()), job_ids(), str(run_dir),
-                   " ".join(sys.argv)[:300], time.strftime("%Y-%m-%dT%H:%M:%S%z"))
+                   " ".join(redact_argv(sys.argv))[:300], time.strftime("%Y-%m-%dT%H:%M:%S%z"))
 
     @property
     def token(self) -> tuple:

@@ -12,6 +12,7 @@ import torch
 
 from .integrity import CHECKSUM
 from .registry import StateRegistry
+from ..utils.redact import redact_tree
 
 FORMAT = "internlm_core/dcp"
 FORMAT_VERSION = 1
@@ -54,13 +55,13 @@ def build_meta(registry: StateRegistry, *, step: int, kind: str, reason: str, na
         values = list(states.values())
         data[entry] = {"per_dp_rank": states, "dp_ranks_agree": all(v == values[0] for v in values)}
     ts = summary.get("train_state", {})
-    return {
+    return redact_tree({  # it is uploaded with the checkpoint: no secret of the config or the data state in it
         "format": FORMAT, "format_version": FORMAT_VERSION, "step": step, "kind": kind, "name": name,
         "reason": reason, "time": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "num_consumed_tokens": ts.get("num_consumed_tokens"), "step_count": ts.get("step_count"),
         "layout": layout, "versions": library_versions(), "contents": registry.contents(),
         "state": summary, "data_state": data, "resume": RESUME_NOTES, "config": config_text,
-    }
+    })
 
 
 def build_marker(*, step: int, kind: str, name: str, reason: str, world_size: int, time: str,

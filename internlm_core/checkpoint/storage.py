@@ -34,6 +34,7 @@ from typing import Callable, Optional, TypeVar
 
 from ..errors import CheckpointError
 from ..utils.logging import get_logger
+from ..utils.redact import redact_tree
 
 logger = get_logger(__name__)
 
@@ -161,7 +162,7 @@ class Storage(ABC):
         """Checkpoint `name` stops counting as complete: REJECTED (the reason and the old marker) is written, then
         the marker removed; the files stay."""
         record = {"reason": reason, "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "marker": self.read_marker(name)}
-        self.put_text(name, REJECTED, json.dumps(record, indent=1))
+        self.put_text(name, REJECTED, json.dumps(redact_tree(record), indent=1))  # a reason may quote a URL
         self.remove_file(name, MARKER)
 
     def read_marker(self, name: str) -> Optional[dict]:

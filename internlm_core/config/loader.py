@@ -17,6 +17,7 @@ import yaml
 
 from ..errors import ConfigError
 from ..model.spec import get_model_spec
+from ..utils.redact import drop_redacted, redact_tree, register_tree
 from .ckpt_names import CKPT_TYPE_ALIASES, CKPT_TYPES, CONTENTS
 from .compat import CompatNotes, normalize
 from .schema import Config, DataConfig, LoadCkptInfo
@@ -186,8 +187,10 @@ def _is_file_constant(name: str) -> bool:
 
 
 def build_config(raw: dict, source: str = "config", world_size: int | None = None) -> Config:
-    """Validate a raw dict into a `Config`, fill derived defaults and check consistency."""
-    raw = {k: v for k, v in raw.items() if not _is_file_constant(k)}
+    """Validate a raw dict into a `Config`, fill derived defaults and check consistency. Its secrets are registered
+    for redaction (utils/redact.py); a `<redacted>` value (a config file a run wrote) counts as unset."""
+    raw = drop_redacted({k: v for k, v in raw.items() if not _is_file_constant(k)})
+    register_tree(raw)
     try:
         raw, notes = normalize(raw)  # InternLM's and InternEvo's forms (compat.py)
         raw = _collect_family_dims(raw)
@@ -429,5 +432,6 @@ def config_to_dict(cfg: Config) -> dict:
 
 
 def dump_yaml(cfg: Config) -> str:
-    """The resolved config as YAML, loadable again by `load_config`."""
-    return yaml.safe_dump(config_to_dict(cfg), sort_keys=False)
+    """The resolved config as YAML, loadable again by `load_config`, with its secrets redacted (utils/redact.py):
+    the text goes into files (the run folder's config.yaml, every checkpoint's meta.json and config.yaml)."""
+    return yaml.safe_dump(redact_tree(config_to_dict(cfg)), sort_keys=False)

@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any, Optional, Sequence
 
 from internlm_core.utils.logging import get_logger
+from internlm_core.utils.redact import redact_text
 
 logger = get_logger(__name__)
 
@@ -209,8 +210,9 @@ class AlertManager:
             return False
         if level not in LEVELS:
             level = "error"
-        title = f"[{level.upper()}] {job_key(self.job_name)}: {subject}"
-        alert = Alert(title=title, content=content, level=level, job=self.job_name or os.environ.get("JOB_NAME", ""),
+        title = redact_text(f"[{level.upper()}] {job_key(self.job_name)}: {subject}")
+        alert = Alert(title=title, content=redact_text(content), level=level,
+                      job=self.job_name or os.environ.get("JOB_NAME", ""),
                       rank=self.rank)
         try:
             self._queue.put_nowait(alert)

@@ -43,6 +43,7 @@ from typing import Any, Callable, Optional
 
 from internlm_core.errors import InternLMCoreError
 from internlm_core.utils.logging import get_logger
+from internlm_core.utils.redact import redact_text
 
 from .alert import AlertManager, job_key
 
@@ -195,7 +196,7 @@ class ExceptionMonitor:
             tail = _tail(log_file, LOG_LINES_IN_REPORT)
             if tail:
                 lines += ["", f"last {len(tail)} lines of {log_file}:", *tail]
-        path.write_text("\n".join(lines) + "\n", encoding="utf-8")
+        path.write_text(redact_text("\n".join(lines) + "\n"), encoding="utf-8")  # a traceback may quote a secret
         return path
 
 

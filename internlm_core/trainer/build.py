@@ -32,6 +32,7 @@ from ..utils import collectives
 from ..utils.logging import get_logger
 from ..utils.memory import keep_freed_cpu_memory, return_large_freed_cpu_memory
 from ..utils.peak import device_peak_flops
+from ..utils.redact import redact_argv, redact_tree
 from ..utils.timer import Timers
 from ..utils.writer import MetricsWriter
 from ..callbacks import CallbackList, TrainerCallback
@@ -63,16 +64,17 @@ _LAUNCH_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_A
 
 def write_run_files(cfg: Config, run_dir: Path, launch: LaunchInfo) -> None:
     """The resolved config (config.yaml) and how the run was launched (launch.json: command line, host,
-    launcher, world size, the launcher's environment variables, versions), for the record."""
+    launcher, world size, the launcher's environment variables, versions), for the record; secrets redacted
+    (`--set ...webhook_url=...` in the command line too, utils/redact.py)."""
     if launch.rank != 0:
         return
     (run_dir / "config.yaml").write_text(dump_yaml(cfg))
-    record = {"argv": sys.argv, "cwd": os.getcwd(), "host": socket.gethostname(), "pid": os.getpid(),
+    record = {"argv": redact_argv(sys.argv), "cwd": os.getcwd(), "host": socket.gethostname(), "pid": os.getpid(),
               "time": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
               "launcher": launch.launcher, "world_size": launch.world_size, "device": str(launch.device),
               "env": {k: os.environ[k] for k in _LAUNCH_ENV if k in os.environ},
               "versions": {"python": platform.python_version(), "torch": torch.__version__}}
-    (run_dir / "launch.json").write_text(json.dumps(record, indent=1))
+    (run_dir / "launch.json").write_text(json.dumps(redact_tree(record), indent=1))
 
 
 def setup_numerics(cfg: Config, seed: int, precision: Precision) -> None:

@@ -6,6 +6,7 @@ import sys
 from typing import Callable, NoReturn
 
 from ..errors import InternLMCoreError
+from .redact import redact_text
 
 
 def run_main(main: Callable[[], int]) -> NoReturn:
@@ -14,5 +15,5 @@ def run_main(main: Callable[[], int]) -> NoReturn:
     try:
         sys.exit(main())
     except InternLMCoreError as e:
-        print(f"error: {e}", file=sys.stderr)
+        print(f"error: {redact_text(str(e))}", file=sys.stderr)
         sys.exit(2)

@@ -7,6 +7,8 @@ import os
 import sys
 from pathlib import Path
 
+from .redact import SecretFilter, register_env_secrets
+
 _ROOT = "internlm_core"
 _FORMAT = "%(asctime)s %(levelname)s [rank{rank}] %(name)s: %(message)s"
 
@@ -20,7 +22,9 @@ def get_logger(name: str) -> logging.Logger:
 
 def setup_logging(rank: int = 0, run_dir: str | Path | None = None, console_all_ranks: bool = False,
                   level: int = logging.INFO) -> None:
-    """Console output from rank 0 (or every rank), and `rank{N}.log` in the run folder for every rank."""
+    """Console output from rank 0 (or every rank), and `rank{N}.log` in the run folder for every rank; every handler
+    redacts secrets (utils/redact.py: the environment's are registered here, a config's when it is loaded)."""
+    register_env_secrets()
     root = logging.getLogger(_ROOT)
     root.setLevel(level)
     root.propagate = False
@@ -42,3 +46,5 @@ def setup_logging(rank: int = 0, run_dir: str | Path | None = None, console_all_
         fh = logging.FileHandler(Path(run_dir) / f"rank{rank}.log")
         fh.setFormatter(fmt)
         root.addHandler(fh)
+    for h in root.handlers:  # on the handlers: a logger's own filters do not see its children's records
+        h.addFilter(SecretFilter())

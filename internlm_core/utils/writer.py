@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from .logging import get_logger
+from .redact import redact_tree
 
 logger = get_logger(__name__)
 
@@ -52,7 +53,7 @@ class MetricsWriter:
         if not self.active:
             return
         record = {"kind": kind, "step": step, **{k: v for k, v in metrics.items() if k != "step"}}
-        self._jsonl.write(json.dumps(record, default=float) + "\n")
+        self._jsonl.write(json.dumps(redact_tree(record), default=float) + "\n")  # text fields may quote a path
         if self._tb is not None:
             for k, v in record.items():
                 if isinstance(v, (int, float)) and not isinstance(v, bool) and k != "step" and math.isfinite(v):
