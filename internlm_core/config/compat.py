@@ -4,8 +4,8 @@ Users bring config files of InternLM (InternLM/InternLM at aaaf4d7 and its devel
 key of those files either maps onto one of ours (`parallel.tensor=dict(size, mode)` onto tensor and sequence
 parallel, `model.no_bias` onto `model.qkv_bias`, the legacy `ckpt.load_ckpt_folder` onto `load_ckpt_info`, ...),
 is kept for compatibility only (listed in one log line at start: nothing is ignored silently), or names a feature
-this framework does not have (2D sequence parallel, dropout): then one ConfigError says so. The MoE keys are
-moe_compat.py's.
+this framework does not have (dropout, ...): then one ConfigError says so. Context parallel's forms (InternEvo's
+isp tensor mode and sequence_2D) are context.py's, the MoE keys moe_compat.py's.
 
     raw, notes = normalize(raw)        # notes.compat: keys without effect; notes.mapped: forms that were translated
 """
@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
 from ..errors import ConfigError
+from .context import context_forms
 from .moe_compat import moe_forms
 from .schema import Config
 
@@ -97,9 +98,6 @@ _COMPAT: dict[tuple[str, str], Rule] = {
     ("parallel", "weight.memory_pool"): (None, "the caching allocator"),
     ("parallel", "weight.launch_allgather_before"): (None, "FSDP2 prefetches parameters"),
     ("parallel", "weight.forward_overlap_per"): (None, "FSDP2 prefetches parameters"),
-    ("parallel", "sequence_2D"): (lambda v: not (isinstance(v, dict) and v.get("enable")),
-                                  "2D sequence parallel (head x context) is not implemented; the nearest layout is "
-                                  "parallel.tensor=dict(size=N, mode='msp') (tensor + sequence parallel)"),
     ("hybrid_zero_optimizer", "overlap_sync_grad"): (None, "FSDP2 overlaps gradient reduction"),
     ("hybrid_zero_optimizer", "overlap_sync_param"): (None, "FSDP2 prefetches parameters"),
     ("hybrid_zero_optimizer", "reduce_bucket_size"): (None, "FSDP2 reduces per block"),
@@ -218,7 +216,7 @@ def _take_sub_keys(par: dict, form: str, value: dict, notes: CompatNotes) -> Non
 
 def _parallel(raw: dict, notes: CompatNotes) -> None:
     """The parallel section's dict forms (InternLM's zero1 and pipeline, InternEvo's tensor and weight) → our flat
-    keys; then its compatibility-only keys (experts, 2D sequence parallel)."""
+    keys; InternEvo's isp and sequence_2D onto parallel.context (context.py); then its compatibility-only keys."""
     par = raw.get("parallel")
     if not isinstance(par, dict):
         return
@@ -228,14 +226,18 @@ def _parallel(raw: dict, notes: CompatNotes) -> None:
             value = _unpack(form, par[form])
             par[form] = value.get("size", default_size)
             _take_sub_keys(par, form, value, notes)
+    isp_size = par["tensor"].get("size", 1) if isinstance(par.get("tensor"), dict) else None
     tensor_mode = _tensor(par, notes)
+    # InternEvo's isp (and sequence_2D over it) is context parallel here; `parallel.context=N` becomes a dict
+    context_forms(par, isp_size if tensor_mode == "isp" else None, notes.mapped, notes.compat)
     _weight(par, tensor_mode, notes)
     _take_section(par, "parallel", notes)  # the dotted ones are gone with their dicts: what is left, top-level keys
 
 
 def _tensor(par: dict, notes: CompatNotes) -> Optional[str]:
     """parallel.tensor=dict(size, mode) (InternEvo; `sp` on InternLM's develop branch) → tensor parallel of that size,
-    with sequence parallel for the modes that shard activations; the mode in InternEvo's spelling (None: no dict)."""
+    with sequence parallel for the modes that shard activations (isp: tensor 1, context parallel of that size, see
+    context.py); the mode in InternEvo's spelling (None: no dict)."""
     if not isinstance(par.get("tensor"), dict):
         return None
     t = _unpack("tensor", par["tensor"])
@@ -247,15 +249,14 @@ def _tensor(par: dict, notes: CompatNotes) -> Optional[str]:
     if mode not in _TENSOR_MODES:
         raise ConfigError(f"parallel.tensor.mode: expected one of mtp, msp, fsp, isp (or origin_tp, fstp), "
                           f"got {mode!r}")
-    par["tensor"] = size
+    par["tensor"] = 1 if mode in _ISP else size  # isp: context parallel of that size (context_forms)
     _take_sub_keys(par, "tensor", t, notes)
-    if _TENSOR_MODES[mode] and isinstance(size, int) and size > 1:
-        par["sequence_parallel"] = True
     if mode in _ISP:
-        notes.mapped.append(f"parallel.tensor.mode={mode!r} (InternEvo's intern sequence parallel, size {size}) "
-                            f"runs as tensor parallel {size} with sequence parallel: the same {size} ranks share "
-                            f"each sample and hold 1/{size} of every weight; only the communication differs")
-    elif mode != "mtp":
+        if size == 1:
+            notes.mapped.append(f"parallel.tensor.mode={mode!r} size 1 -> no tensor or context parallel")
+    elif _TENSOR_MODES[mode] and isinstance(size, int) and size > 1:
+        par["sequence_parallel"] = True
+    if mode not in _ISP and mode != "mtp":
         notes.mapped.append(f"parallel.tensor.mode={mode!r} -> tensor parallel {size}"
                             + (" with sequence parallel" if par.get("sequence_parallel") else ""))
     return _SP_SPELLINGS.get(mode, mode)

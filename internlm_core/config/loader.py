@@ -20,7 +20,9 @@ from ..model.spec import get_model_spec
 from ..utils.redact import drop_redacted, redact_tree, register_tree
 from .ckpt_names import CKPT_TYPE_ALIASES, CKPT_TYPES, CONTENTS
 from .compat import CompatNotes, normalize
-from .schema import Config, DataConfig, LoadCkptInfo
+from .context import check_context
+from .fault_tolerance import check_fault_tolerance
+from .schema import TRACKERS, Config, DataConfig, LoadCkptInfo
 
 _DTYPES = {
     "torch.float32": "torch.float32", "float32": "torch.float32", "fp32": "torch.float32", "torch.float": "torch.float32",
@@ -289,9 +291,10 @@ def fit_zero1_to_world(cfg: Config, world_size: int | None) -> None:
     data-parallel ranks it shards over all of them), with a note in the compat log line. A normalization, run before
     the checks so that they only check; a layout the world size cannot hold is left for them to report."""
     p = cfg.parallel
-    if world_size is None or p.tensor < 1 or p.pipeline < 1 or world_size % (p.tensor * p.pipeline):
+    split = p.tensor * p.pipeline * p.context.size
+    if world_size is None or min(p.tensor, p.pipeline, p.context.size) < 1 or world_size % split:
         return
-    dp = world_size // (p.tensor * p.pipeline)
+    dp = world_size // split
     if p.zero1 > dp:
         notes = getattr(cfg, "compat_notes", None)
         if notes is not None:
@@ -307,6 +310,7 @@ def check_consistency(cfg: Config, world_size: int | None = None) -> None:
     _check_choices(cfg)
     _check_ckpt(cfg)
     _check_layout(cfg, world_size)
+    check_fault_tolerance(cfg.parallel.fault_tolerance)
     get_model_spec(cfg.model_type).validate(cfg.model_inputs())  # the family's own rules (heads, norms, its plan)
 
 
@@ -363,6 +367,9 @@ def _check_choices(cfg: Config) -> None:
         raise ConfigError(f"lr_scheduler.warmup_ratio: expected a fraction in [0, 1], got {cfg.lr_scheduler.warmup_ratio}")
     if not 0.0 <= cfg.loss.label_smoothing < 1.0:
         raise ConfigError(f"loss.label_smoothing: expected a value in [0, 1), got {cfg.loss.label_smoothing}")
+    bad = [t for t in cfg.monitor.trackers if t not in TRACKERS]
+    if bad:
+        raise ConfigError(f"monitor.trackers: unknown {bad}; expected any of {', '.join(TRACKERS)}")
 
 
 def _check_ckpt(cfg: Config) -> None:
@@ -375,10 +382,8 @@ def _check_ckpt(cfg: Config) -> None:
             raise ConfigError(f"ckpt.load_ckpt_info.content: unknown {bad}; expected any of "
                               f"{', '.join((*CONTENTS, 'all'))}")
         if info.ckpt_type not in CKPT_TYPES:
-            hint = ("; Meta's original Llama files: convert them with transformers' convert_llama_weights_to_hf, "
-                    "then use ckpt_type='hf'" if info.ckpt_type == "llama" else "")
             raise ConfigError(f"ckpt.load_ckpt_info.ckpt_type: expected one of {', '.join(CKPT_TYPES)} (or "
-                              f"{', '.join(sorted(CKPT_TYPE_ALIASES))}), got {info.ckpt_type!r}{hint}")
+                              f"{', '.join(sorted(CKPT_TYPE_ALIASES))}), got {info.ckpt_type!r}")
     if cfg.ckpt.enable_save_ckpt and not cfg.ckpt.save_ckpt_folder:
         raise ConfigError("ckpt.save_ckpt_folder: must be set when ckpt.enable_save_ckpt is True")
     if cfg.ckpt.checkpoint_every < 1:
@@ -401,16 +406,17 @@ def _check_layout(cfg: Config, world_size: int | None) -> None:
                           f"for the vocabulary-parallel embedding and output")
     if p.sequence_parallel and p.tensor == 1:
         raise ConfigError("parallel.sequence_parallel: needs parallel.tensor > 1")
+    check_context(cfg, world_size)
     if world_size is None:
         return
     tp_pp = p.tensor * p.pipeline
     if world_size % tp_pp:
         raise ConfigError(f"world size {world_size} is not divisible by parallel.tensor * parallel.pipeline "
                           f"({p.tensor} * {p.pipeline} = {tp_pp})")
-    dp = world_size // tp_pp
+    dp = world_size // (tp_pp * p.context.size)
     if p.zero1 > 1 and dp % p.zero1:
         raise ConfigError(f"parallel.zero1 ({p.zero1}) must divide the data-parallel size ({dp} = world size "
-                          f"{world_size} / (tensor {p.tensor} * pipeline {p.pipeline}))")
+                          f"{world_size} / (tensor {p.tensor} * pipeline {p.pipeline} * context {p.context.size}))")
 
 
 def load_config(path: str | Path, overrides: Iterable[str] = (), world_size: int | None = None) -> Config:

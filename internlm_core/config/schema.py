@@ -89,6 +89,10 @@ class ModelConfig:
     moe_type: str = f("GShard", "MoE routing (InternEvo's names): GShard or MegaBlock (capacity-bounded, tokens over capacity dropped unless moe.drop_tokens is False), Dropless or MegaBlock-Dropless (every token reaches its top_k experts).")
     moe_use_residual: bool = f(False, "Residual MoE (InternEvo): a dense SwiGLU beside the experts, mixed with them by a learned per-token coefficient.")
     moe_intermediate_size: Optional[int] = f(None, "Each expert's FFN width; default the dense FFN width (intermediate_size, or mlp_ratio/multiple_of).")
+    head_dim: Optional[int] = f(None, "Channels of each attention head; default hidden_size / num_attention_heads (Qwen3 sets 128 at every width).")
+    qk_norm: bool = f(False, "RMSNorm over each head's channels on q and k before the rotary embedding (Qwen3; QWEN3 / QWEN3_MOE turn it on).")
+    sliding_window: Optional[int] = f(None, "Sliding-window attention: each token attends to at most this many tokens of its document, itself included (Mistral); None: the whole document.")
+    rope_scaling: Optional[dict] = f(None, "Rotary frequency scaling, InternLM2's / transformers' spelling: dict(type=\"linear\" or \"dynamic\", factor=f) (dynamic NTK takes original_max_position_embeddings, default data.seq_len: no change) or dict(rope_type=\"llama3\", factor, low_freq_factor, high_freq_factor, original_max_position_embeddings); None: none.")
 
 
 @dataclass
@@ -111,13 +115,30 @@ class MoEConfig:
 
 @dataclass
 class ContextConfig:
-    """Context parallel (`parallel.context`; `parallel.context=N` means dict(size=N)): the ranks of one context
-    group read the same rows and each keeps the zigzag chunks r and 2*size-1-r of every sequence (equal causal
-    work); attention exchanges keys/values or heads between them."""
+    """Context parallel (`parallel.context=N` or dict(size, mode, inner)): ranks sharing each sequence.
+
+    The ranks of one context group read the same rows and each keeps the zigzag chunks r and 2*size-1-r of every
+    sequence (equal causal work); attention exchanges keys/values or heads between them."""
 
     size: int = f(1, "Ranks sharing each sequence (1: off); data parallel = world / (tensor * pipeline * size); data.seq_len must be divisible by 2 * size.")
     mode: str = f("ring", "ring (keys/values pass around the ranks; any head count), all_to_all (Ulysses: heads exchanged; heads per tensor-parallel rank divisible by size), 2d (all_to_all within groups of `inner` ranks, ring across them; InternEvo's sequence_2D).")
     inner: int = f(1, "2d: ranks of each all-to-all (head) group, dividing size; InternEvo's head_size (the dict also takes head_size).")
+
+
+@dataclass
+class FaultToleranceConfig:
+    """Replica groups that survive the loss of a group (torchft; torchtitan's `fault_tolerance` section): each group
+    is its own torchrun job holding the whole model (FSDP inside it); a lighthouse forms a quorum every step, the
+    gradients are averaged over the groups in it, and a group that (re)joins heals from a live peer."""
+
+    enable: bool = f(False, "Train as one replica group of several (needs the torchft package and a running lighthouse: tools/ft_local.sh, tools/slurm/train_ft.sbatch).")
+    replica_id: int = f(0, "This replica group's index, 0 .. group_size - 1; it reads that share of every global batch.")
+    group_size: int = f(1, "Number of replica groups (torchtitan's fault_tolerance.group_size); each reads 1/group_size of every global batch.")
+    lighthouse: Optional[str] = f(None, "The lighthouse's address, e.g. http://host:29510; None: the TORCHFT_LIGHTHOUSE environment variable.")
+    min_replicas: int = f(1, "Fewest replica groups a step may commit with; with fewer the step waits (quorum_timeout) or is not committed.")
+    timeout: float = f(60.0, "Seconds for the all-reduce across groups, the commit vote and a heal's state transfer before they count as failed.")
+    quorum_timeout: float = f(60.0, "Seconds a step waits for its quorum from the lighthouse before the run stops (lighthouse gone).")
+    max_retries: int = f(10, "Stop after this many consecutive attempts of one step that the groups did not commit.")
 
 
 @dataclass
@@ -131,6 +152,7 @@ class ParallelConfig:
     interleaved_overlap: bool = f(True, "Pipeline: overlap communication in the interleaved schedule.", compat="pipeline.interleaved_overlap")
     sequence_parallel: bool = f(False, "Shard activations along the sequence in norms/dropout under tensor parallel.")
     context: ContextConfig = f(factory=ContextConfig, help="Context parallel: an int (the size) or dict(size, mode, inner); see ContextConfig.")
+    fault_tolerance: FaultToleranceConfig = f(factory=FaultToleranceConfig, help="Replica groups over torchft; see FaultToleranceConfig.")
     dims: dict = f(help="Sizes of the parallel dimensions the model family adds (its plan's mesh_dims), by key; "
                         "written as `parallel.<key>=N` (e.g. a family's expert dimension), collected here.",
                    factory=dict)
@@ -238,6 +260,10 @@ class AlertConfig:
     alert_file_path: Optional[str] = f(None, "Also append alerts as JSON lines to this file.")
 
 
+# monitor.trackers: the experiment trackers there are adapters for (internlm_core/monitor/trackers/, one module each)
+TRACKERS = ("wandb", "mlflow")
+
+
 @dataclass
 class MonitorConfig:
     """Monitoring (InternLM's `monitor`)."""
@@ -253,6 +279,33 @@ class MonitorConfig:
     spike_rewind: bool = f(False, "Opt-in: when the loss stays above loss_spike_ratio x its running average for spike_rewind_steps steps, reload the newest complete checkpoint before the spike, skip the batches that spiked (kept in checkpoints, as data.skip_batches), alert and go on.")
     spike_rewind_steps: int = f(3, "Consecutive spiking steps that make spike_rewind rewind.")
     max_rewinds: int = f(3, "At most this many spike rewinds in a run (counted across restarts); then spikes only alert.")
+    trackers: tuple = f(help="Experiment trackers that receive every metrics.jsonl record from rank 0, by name: any of "
+                             "wandb (Weights & Biases; its own WANDB_* variables: WANDB_MODE, WANDB_DIR, WANDB_API_KEY, "
+                             "...), mlflow (MLFLOW_TRACKING_URI, ...); each is imported only when named here. A resumed "
+                             "run continues the same tracker run (its key is kept in the checkpoint); a tracker that "
+                             "fails warns once and never stops training.", factory=tuple)
+    tracker_project: Optional[str] = f(None, "The trackers' project (wandb) / experiment (mlflow); default JOB_NAME.")
+    tracker_timeout: float = f(30.0, "Seconds a tracker may take to connect, and to send what is queued at the end.")
+
+
+@dataclass
+class EvaluationConfig:
+    """Multiple-choice evaluation during training (not `data.valid_every`'s validation loss): log-likelihoods of
+    each choice as lm-evaluation-harness computes them, from local task files."""
+
+    tasks: list = f(help="Task files: a list of dict(name=..., path=...) where path is a .jsonl of "
+                         "{\"context\": str, \"choices\": [str, ...], \"gold\": int} lines, tokenized with the "
+                         "run's `tokenizer`; results eval/<name>/acc, acc_norm, loglik. Empty: no evaluation.",
+                    factory=list)
+    eval_every: int = f(0, "Evaluate the tasks every this many steps (0: only at the end, see at_end).")
+    at_end: bool = f(True, "Evaluate the tasks once more after the last step.")
+    batch_size: int = f(8, "Rows of data.seq_len tokens per evaluation forward and data-parallel rank (requests are "
+                           "packed into rows, one document mask each).")
+    target_delimiter: str = f(" ", "Put between the context and each choice (lm-eval's target_delimiter).")
+
+    def __post_init__(self) -> None:
+        from .evaluation import check_evaluation  # the rules beside the section's other helpers
+        check_evaluation(self)
 
 
 @dataclass
@@ -273,6 +326,7 @@ class Config:
     loss: LossConfig = f(factory=LossConfig, help="See LossConfig.")
     ckpt: CkptConfig = f(factory=CkptConfig, help="See CkptConfig.")
     monitor: MonitorConfig = f(factory=MonitorConfig, help="See MonitorConfig.")
+    evaluation: EvaluationConfig = f(factory=EvaluationConfig, help="See EvaluationConfig.")
     cudnn_deterministic: bool = f(False, "Deterministic algorithms (torch.use_deterministic_algorithms) and cuDNN.")
     cudnn_benchmark: bool = f(False, "cuDNN autotuning.")
     use_fp32_norm: bool = f(False, "InternLM's top-level use_fp32_norm; same as model.use_fp32_norm.")

@@ -1,5 +1,5 @@
-"""ParallelDims: the data / zero / tensor / pipeline layout from `parallel`, the dimensions a model family adds,
-and the device mesh of them all."""
+"""ParallelDims: the data / zero / tensor / pipeline / context layout from `parallel`, the dimensions a model
+family adds, and the device mesh of them all."""
 
 from __future__ import annotations
 
@@ -15,9 +15,15 @@ from ..errors import ConfigError
 
 @dataclass
 class ParallelDims:
-    """data parallel = world / (tensor * pipeline); within it, parameters and optimizer state are
+    """data parallel = world / (tensor * pipeline * context); within it, parameters and optimizer state are
     sharded over `dp_shard` ranks (InternLM's zero1: <=0 all of dp, 1 none, k groups of k) and
     replicated over `dp_replicate` = dp / dp_shard (HSDP).
+
+    `cp`: context parallel (parallel.context.size), a generic dimension every attention family shares: the `cp`
+    ranks of one group read the same rows (the loaders see `dp` ranks only) and each keeps its zigzag chunk of
+    every sequence. Their parameters are the same, so FSDP shards over `dp_shard_cp` = dp_shard x cp and
+    gradients are reduced over `dp_cp` = dp x cp; "pp_dp", the ranks whose losses and metrics together cover the
+    global batch once, includes cp.
 
     `extra`: ((name, size), ...) of the mesh dimensions a model family adds (model.MeshDim): each is carved out of
     `dp_shard` (dp_shard = dp_shard_rest * the product of their sizes), so every generic group keeps its ranks
@@ -27,14 +33,16 @@ class ParallelDims:
     tp: int = 1
     pp: int = 1
     zero1: int = -1
+    cp: int = 1
     extra: tuple[tuple[str, int], ...] = ()
     mesh: Optional[DeviceMesh] = field(default=None, repr=False)
     _flat: dict = field(default_factory=dict, repr=False)  # flattened dimensions, kept here (torch asks for it)
 
     def __post_init__(self) -> None:
-        if self.world_size % (self.tp * self.pp):
-            raise ConfigError(f"world size {self.world_size} is not divisible by parallel.tensor * parallel.pipeline "
-                              f"({self.tp} * {self.pp})")
+        if self.world_size % (self.tp * self.pp * self.cp):
+            cp = (" * parallel.context.size", f" * {self.cp}") if self.cp > 1 else ("", "")
+            raise ConfigError(f"world size {self.world_size} is not divisible by parallel.tensor * parallel.pipeline"
+                              f"{cp[0]} ({self.tp} * {self.pp}{cp[1]})")
         if self.zero1 > 1 and self.dp % self.zero1:
             raise ConfigError(f"parallel.zero1 ({self.zero1}) must divide the data-parallel size ({self.dp})")
         for name, size in self.extra:
@@ -47,13 +55,14 @@ class ParallelDims:
                               f"data-parallel size {self.dp_shard} (world {self.world_size} / (tensor {self.tp} * "
                               f"pipeline {self.pp}), zero1 {self.zero1}): they are carved out of it")
 
-    GENERIC = ("pp", "dp_replicate", "dp_shard", "dp_shard_rest", "tp", "dp", "pp_dp")
+    GENERIC = ("pp", "dp_replicate", "dp_shard", "dp_shard_rest", "cp", "tp", "dp", "pp_dp", "dp_shard_cp", "dp_cp")
 
     @classmethod
     def from_config(cls, p: ParallelConfig, world_size: int, extra: tuple[tuple[str, int], ...] = ()
                     ) -> "ParallelDims":
         """The layout of `p`; `extra`: the family's own dimensions with their sizes (see `family_dims`)."""
-        return cls(world_size=world_size, tp=p.tensor, pp=p.pipeline, zero1=p.zero1, extra=tuple(extra))
+        return cls(world_size=world_size, tp=p.tensor, pp=p.pipeline, zero1=p.zero1, cp=p.context.size,
+                   extra=tuple(extra))
 
     @property
     def extra_size(self) -> int:
@@ -69,7 +78,18 @@ class ParallelDims:
 
     @property
     def dp(self) -> int:
-        return self.world_size // (self.tp * self.pp)
+        """Data-parallel ranks: each reads its own rows (context ranks share theirs)."""
+        return self.world_size // (self.tp * self.pp * self.cp)
+
+    @property
+    def dp_cp(self) -> int:
+        """The ranks gradients are reduced over (data x context parallel)."""
+        return self.dp * self.cp
+
+    @property
+    def dp_shard_cp(self) -> int:
+        """The ranks FSDP shards parameters over (the sharded data-parallel ranks x context parallel)."""
+        return self.dp_shard * self.cp
 
     @property
     def dp_shard(self) -> int:
@@ -80,31 +100,31 @@ class ParallelDims:
         return self.dp // self.dp_shard
 
     def build_mesh(self, device_type: str) -> Optional[DeviceMesh]:
-        """Mesh ("pp", "dp_replicate", "dp_shard", "tp"), rank = ((pp * dp_replicate + r) * dp_shard + s) * tp + t
-        (tensor-parallel peers are neighbours: on one node under NCCL), with two flattened dimensions:
-        "dp" (all data-parallel ranks) and "pp_dp" (data parallel x pipeline: the ranks whose losses and
-        metrics together cover the global batch once, each tensor-parallel rank holding a copy).
-        None for one process."""
+        """Mesh ("pp", "dp_replicate", "dp_shard", ["cp",] "tp"), rank = (((pp * dp_replicate + r) * dp_shard + s)
+        * cp + c) * tp + t (tensor-parallel peers are neighbours, then context peers: on one node under NCCL), with
+        flattened dimensions: "dp" (all data-parallel ranks), "pp_dp" (pipeline x data x context parallel: the ranks
+        whose losses and metrics together cover the global batch once, each tensor-parallel rank holding a copy)
+        and, under context parallel, "dp_shard_cp" and "dp_cp" (what FSDP shards and reduces over). A family's own
+        dimensions split "dp_shard" into ("dp_shard_rest", *theirs). None for one process."""
         if self.world_size == 1 or not dist.is_initialized():
             return None
         if dist.get_world_size() != self.world_size:
             raise ConfigError(f"ParallelDims for world size {self.world_size}, but the process group has "
                               f"{dist.get_world_size()} ranks")
-        if not self.extra:
-            mesh = init_device_mesh(device_type, (self.pp, self.dp_replicate, self.dp_shard, self.tp),
-                                    mesh_dim_names=("pp", "dp_replicate", "dp_shard", "tp"))
-            self._flat = {"dp": mesh["dp_replicate", "dp_shard"]._flatten("dp"),
-                          "pp_dp": mesh["pp", "dp_replicate", "dp_shard"]._flatten("pp_dp")}
-            self.mesh = mesh
-            return mesh
-        # the same ranks in the same order, dp_shard split into (dp_shard_rest, *the family's dimensions)
+        # the same ranks in the same order whatever the split of dp_shard (the family's dimensions carved out of it)
         names = tuple(n for n, _ in self.extra)
-        mesh = init_device_mesh(device_type, (self.pp, self.dp_replicate, self.dp_shard_rest,
-                                              *(s for _, s in self.extra), self.tp),
-                                mesh_dim_names=("pp", "dp_replicate", "dp_shard_rest", *names, "tp"))
-        self._flat = {"dp_shard": mesh[("dp_shard_rest", *names)]._flatten("dp_shard"),
-                      "dp": mesh[("dp_replicate", "dp_shard_rest", *names)]._flatten("dp"),
-                      "pp_dp": mesh[("pp", "dp_replicate", "dp_shard_rest", *names)]._flatten("pp_dp")}
+        shard = ("dp_shard_rest", *names) if self.extra else ("dp_shard",)
+        shard_sizes = (self.dp_shard_rest, *(s for _, s in self.extra)) if self.extra else (self.dp_shard,)
+        cp = ("cp",) if self.cp > 1 else ()
+        mesh = init_device_mesh(device_type, (self.pp, self.dp_replicate, *shard_sizes, *((self.cp,) if cp else ()),
+                                              self.tp),
+                                mesh_dim_names=("pp", "dp_replicate", *shard, *cp, "tp"))
+        flat = {"dp": ("dp_replicate", *shard), "pp_dp": ("pp", "dp_replicate", *shard, *cp)}
+        if self.extra:
+            flat["dp_shard"] = shard
+        if cp:
+            flat.update(dp_shard_cp=(*shard, "cp"), dp_cp=("dp_replicate", *shard, "cp"))
+        self._flat = {name: mesh[dims]._flatten(name) for name, dims in flat.items()}
         self.mesh = mesh
         return mesh
 
@@ -113,9 +133,12 @@ class ParallelDims:
         return dict(self.extra).get(name, 1)
 
     def submesh(self, name: str) -> DeviceMesh:
-        """The mesh of one dimension ("pp", "dp_replicate", "dp_shard", "tp") or flattened one ("dp", "pp_dp")."""
+        """The mesh of one dimension ("pp", "dp_replicate", "dp_shard", "cp", "tp") or flattened one ("dp", "pp_dp",
+        "dp_shard_cp", "dp_cp"; without context parallel the last two are "dp_shard" and "dp")."""
         if self.mesh is None:
             raise ValueError("ParallelDims.submesh: no device mesh (one process, or build_mesh not called)")
+        if self.cp == 1 and name in ("dp_shard_cp", "dp_cp"):
+            name = name[:-3]
         return self._flat[name] if name in self._flat else self.mesh[name]
 
     def _coord(self, name: str) -> tuple[int, int]:
@@ -136,6 +159,10 @@ class ParallelDims:
     def pp_rank(self) -> int:
         return self._coord("pp")[0]
 
+    @property
+    def cp_rank(self) -> int:
+        return self._coord("cp")[0] if self.cp > 1 else 0
+
     def group(self, name: str) -> Optional[dist.ProcessGroup]:
         """The process group of one mesh dimension ("dp", "tp", "pp", "pp_dp", ...); None for one process."""
         if self.mesh is None:
@@ -144,5 +171,7 @@ class ParallelDims:
 
     def describe(self) -> str:
         return (f"dp={self.dp} (shard {self.dp_shard} x replicate {self.dp_replicate}) tp={self.tp} pp={self.pp}"
+                + (f" cp={self.cp}" if self.cp > 1 else "")
                 + "".join(f" {n}={s} (of dp_shard)" for n, s in self.extra)
-                + (f" [rank: dp {self.dp_rank}, tp {self.tp_rank}, pp {self.pp_rank}]" if self.mesh is not None else ""))
+                + (f" [rank: dp {self.dp_rank}, tp {self.tp_rank}, pp {self.pp_rank}"
+                   + (f", cp {self.cp_rank}" if self.cp > 1 else "") + "]" if self.mesh is not None else ""))

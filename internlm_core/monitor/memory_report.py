@@ -186,8 +186,8 @@ class MemoryProfiler(TrainerCallback):
         self.start(getattr(trainer, "model", None), getattr(trainer, "optimizer", None))
         kernels, dims, loop = (getattr(trainer, k, None) for k in ("kernels", "dims", "loop"))
         if (self.model is not None and kernels is not None and kernels.grad_reduce == "step" and dims is not None
-                and dims.dp_shard > 1 and loop is not None and loop.micro_num > 1):
-            self.accumulated = trainable_parameter_bytes(self.model) * (dims.dp_shard - 1)
+                and dims.dp_shard_cp > 1 and loop is not None and loop.micro_num > 1):
+            self.accumulated = trainable_parameter_bytes(self.model) * (dims.dp_shard_cp - 1)
 
     def on_step_end(self, trainer: Any, metrics: dict) -> None:
         step = int(metrics["step"])

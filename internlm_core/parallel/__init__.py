@@ -41,6 +41,8 @@ class ParallelOptions:
     micro_num: int = 1         # micro-batches per step (the pipeline schedule's)
     micro_bsz: int = 1         # rows of one micro-batch (a simulated pipeline's stage shapes)
     seq_len: int = 2048
+    context_mode: str = "ring"  # parallel.context.mode / inner (the size is the layout's, ParallelDims.cp)
+    context_inner: int = 1
 
 
 def parallel_options(cfg: Config) -> ParallelOptions:
@@ -49,7 +51,8 @@ def parallel_options(cfg: Config) -> ParallelOptions:
     return ParallelOptions(inputs=cfg.model_inputs(), seed=cfg.seed, num_chunks=m.num_chunks, checkpoint=m.checkpoint,
                            compile=m.compile, sequence_parallel=cfg.parallel.sequence_parallel,
                            parallel_output=m.parallel_output, micro_num=cfg.data.micro_num,
-                           micro_bsz=cfg.data.micro_bsz, seq_len=cfg.data.seq_len)
+                           micro_bsz=cfg.data.micro_bsz, seq_len=cfg.data.seq_len,
+                           context_mode=cfg.parallel.context.mode, context_inner=cfg.parallel.context.inner)
 
 
 def family_dims(spec: ModelSpec, parallel: ParallelConfig, world_size: int,
@@ -105,7 +108,10 @@ def parallelize_model(model: nn.Module, spec: ModelSpec, options: ParallelOption
     n = checkpoint_and_compile(blocks, options.checkpoint, options.compile)
     if n:
         logger.info(f"activation checkpointing on {n} of {len(blocks)} blocks")
-    if dims.dp > 1:
+    if dims.cp > 1:
+        from .context import apply_context_parallel
+        apply_context_parallel(model, dims, options.context_mode, options.context_inner)
+    if dims.dp_cp > 1:
         mp = mixed_precision_policy(precision.compute_dtype, precision.reduce_dtype) if precision else None
         apply_fsdp_to_dim_modules(dim_modules, dims, reshard_after_forward=dims.pp == 1, mp_policy=mp)
         apply_fsdp(blocks, chunks, dims, reshard_after_forward=dims.pp == 1, mp_policy=mp)
@@ -147,7 +153,7 @@ def _simulated_stage_io(spec: ModelSpec, options: ParallelOptions, dims: Paralle
         return None
     compute = precision.compute_dtype if precision is not None else torch.float32
     # FSDP's mixed precision hands 16-bit activations on; plain autocast keeps the fp32 residual stream
-    hidden = compute if dims.dp > 1 else torch.float32
+    hidden = compute if dims.dp_cp > 1 else torch.float32
     shapes = StageShapes(rows=options.micro_bsz, seq_len=options.seq_len, tp=dims.tp,
                          sequence_parallel=options.sequence_parallel, parallel_output=options.parallel_output,
                          hidden_dtype=hidden, logits_dtype=compute)

@@ -28,13 +28,15 @@ def apply_fsdp(blocks: list[nn.Module], roots: list[nn.Module], dims: ParallelDi
     zero1 <= 0: shard over all of dp; zero1 == 1: shard size 1, i.e. plain replication (DDP
     semantics: gradients all-reduced, full optimizer state per rank); zero1 == k: shard within
     groups of k, replicate across them (HSDP). Under tensor parallel the parameters are already
-    DTensors on the "tp" dimension of the same mesh and FSDP shards them further (2-D).
-    Gradients are averaged over the data-parallel ranks, as the loss is a mean over the global batch.
+    DTensors on the "tp" dimension of the same mesh and FSDP shards them further (2-D). Context-parallel ranks
+    hold the same parameters: the shard dimension is dp_shard x cp ("dp_shard_cp", torchtitan's layout).
+    Gradients are averaged over the data (x context) parallel ranks, as the loss is a mean over the global batch
+    (the trainer scales each context rank's part of it by cp, so that the average over cp is their sum).
 
     reshard_after_forward: free the gathered block parameters after forward (ZeRO-3 memory); pipeline
     parallel passes False, since every micro-batch's backward would gather them again.
     """
-    dp_mesh = _data_mesh(dims, "dp_shard")
+    dp_mesh = _data_mesh(dims, "dp_shard_cp")
     mp = mp_policy or MixedPrecisionPolicy()
     for block in blocks:
         fully_shard(block, mesh=dp_mesh, reshard_after_forward=reshard_after_forward, mp_policy=mp)
@@ -44,8 +46,8 @@ def apply_fsdp(blocks: list[nn.Module], roots: list[nn.Module], dims: ParallelDi
 
 
 def _data_mesh(dims: ParallelDims, shard: str):
-    """The data-parallel mesh FSDP shards over: `shard` ("dp_shard", or "dp_shard_rest" for the modules a
-    family's own dimension sharded), with the replicas as an outer dimension (HSDP)."""
+    """The data-parallel mesh FSDP shards over: `shard` ("dp_shard_cp": dp_shard x context, or "dp_shard_rest" for
+    the modules a family's own dimension sharded), with the replicas as an outer dimension (HSDP)."""
     if dims.dp_replicate > 1:
         return dims.mesh["dp_replicate", shard]
     return dims.submesh(shard)

@@ -18,16 +18,18 @@ import torch
 import torch.distributed as dist
 
 from ..config import Config, dump_yaml
-from ..config.loader import compat_lines
+from ..config.loader import compat_lines, config_to_dict
 from ..distributed import LaunchInfo, ParallelDims, set_deterministic, set_seed
 from ..loss import FlashGPTLMLoss
 from ..metrics import AccPerplex, Throughput
 from ..monitor import (AlertManager, MemoryProfiler, RestartReporter, build_loss_health, build_profiler,
                        build_stop_controller, build_straggler_monitor, build_watchdog)
+from ..monitor.trackers import TrackerHub, build_trackers
 from ..model import ModelInputs, build_model, count_parameters, model_args, model_flops_per_token, model_spec
 from ..numerics import Kernels, Precision, resolve_precision, select_kernels
 from ..optim import Beta2Scheduler, DynamicGradScaler, WarmupCosineLR, build_optimizer
 from ..parallel import CommCounter, family_dims, parallel_options, parallelize_model
+from ..parallel.context import ContextCut
 from ..utils import collectives
 from ..utils.logging import get_logger
 from ..utils.memory import keep_freed_cpu_memory, return_large_freed_cpu_memory
@@ -37,6 +39,7 @@ from ..utils.timer import Timers
 from ..utils.writer import MetricsWriter
 from ..callbacks import CallbackList, TrainerCallback
 from ..checkpoint import CheckpointCallback, CheckpointManager, RNGState, build_spike_rewind
+from .evaluation import build_evaluator
 from .hooks import SchedulerMetricHook
 from .state import BatchSkipper, TrainState
 from .trainer import LoopConfig, Trainer
@@ -85,7 +88,8 @@ def setup_numerics(cfg: Config, seed: int, precision: Precision) -> None:
 
 def build_kernels(cfg: Config, precision: Precision, device: torch.device, dims: ParallelDims) -> Kernels:
     """Every kernel choice of the run (attention, cross entropy, linear, optimizer, gradient reduction), logged."""
-    return select_kernels(cfg.model, cfg.adam, precision, device, tp=dims.tp, dp=dims.dp, dp_shard=dims.dp_shard,
+    # FSDP's view: context-parallel ranks shard and reduce like data-parallel ones
+    return select_kernels(cfg.model, cfg.adam, precision, device, tp=dims.tp, dp=dims.dp_cp, dp_shard=dims.dp_shard_cp,
                           pp=dims.pp, micro_num=cfg.data.micro_num, label_smoothing=cfg.loss.label_smoothing,
                           moe_cfg=cfg.moe if cfg.model.num_experts > 1 else None)
 
@@ -148,6 +152,8 @@ def build_checkpoint_manager(cfg: Config, parts: StatefulParts, launch: LaunchIn
     ckpt.register("loss_health", parts.loss_health, content="sampler", strict=False)
     # batches to skip, with those a spike rewind added (a restart skips them too), and the rewinds done so far
     ckpt.register("batch_skipper", parts.batch_skipper, content="sampler", strict=False)
+    # the experiment trackers' run key: a resumed run continues the same tracker runs (None: no monitor.trackers)
+    ckpt.register("trackers", parts.trackers, content="sampler", strict=False)
     return ckpt
 
 
@@ -164,6 +170,7 @@ class StatefulParts:
     train_loader: Any
     batch_skipper: BatchSkipper
     loss_health: Optional[TrainerCallback]
+    trackers: Optional[TrackerHub] = None
 
 
 def order_callbacks(monitors: dict[str, TrainerCallback], checkpoint: CheckpointCallback,
@@ -190,7 +197,7 @@ def choose_cpu_allocator(device: torch.device, dims: ParallelDims, simulated: bo
     was set to follow live tensors by trainer/simulate.py and is left alone."""
     if device.type != "cpu" or simulated:
         return
-    if dims.dp_shard > 1:
+    if dims.dp_shard_cp > 1:
         if return_large_freed_cpu_memory():
             logger.info("CPU allocator: freed blocks of 1 MiB or more go back to the OS at once (sharded data "
                         "parallel)")
@@ -223,20 +230,26 @@ def build_trainer(cfg: Config, launch: LaunchInfo, run_dir: Path, seed: Optional
     optimizer = build_optimizer(model, cfg.adam, kernels.optimizer)
     lr_scheduler, beta2_scheduler = build_schedulers(cfg, optimizer)
     train_loader, valid_loaders = build_data(cfg, dims)
+    evaluator = build_evaluator(cfg, dims, launch.device, launch.rank, run_dir, kernels.cross_entropy, simulated)
     state = TrainState(tensorboard_folder=str(run_dir / "tensorboard"))
     batch_skipper = BatchSkipper(cfg.data.skip_batches)
     grad_scaler = build_grad_scaler(cfg, precision)
     metric_hook, throughput = build_instruments(cfg, launch, dims, kernels, precision, args, train_loader)
 
     monitors = build_monitors(cfg, launch, dims, run_dir, alerts, profiling)
+    trackers = None if simulated else build_trackers(cfg.monitor, cfg.JOB_NAME, config_to_dict(cfg), launch.rank,
+                                                      launch.distributed, str(run_dir))
     parts = StatefulParts(model, optimizer, grad_scaler, lr_scheduler, beta2_scheduler, state, train_loader,
-                          batch_skipper, monitors.get("loss_health"))
+                          batch_skipper, monitors.get("loss_health"), trackers)
     ckpt = build_checkpoint_manager(cfg, parts, launch, dims, run_dir, alerts)
     rewind = build_spike_rewind(cfg.monitor, ckpt, monitors.get("loss_health"), batch_skipper)
     ckpt.register("spike_rewind", rewind, content="sampler", strict=False)
     ckpt.resume()  # auto_resume / load_ckpt_info; takes the folder's lease
+    if trackers is not None:
+        trackers.start()  # after the resume: a resumed run continues its tracker runs
     writer = MetricsWriter(run_dir, active=launch.rank == 0 or simulated, log_every=cfg.monitor.log_every,
-                           tensorboard_dir=state.tensorboard_folder if cfg.monitor.tensorboard else None)
+                           tensorboard_dir=state.tensorboard_folder if cfg.monitor.tensorboard else None,
+                           sinks=[trackers] if trackers is not None else [])
     callbacks = order_callbacks(monitors, CheckpointCallback(ckpt, health=monitors.get("loss_health")), rewind,
                                 list(extra_callbacks or []))
     choose_cpu_allocator(launch.device, dims, simulated)
@@ -248,8 +261,8 @@ def build_trainer(cfg: Config, launch: LaunchInfo, run_dir: Path, seed: Optional
         lr_scheduler=lr_scheduler, beta2_scheduler=beta2_scheduler, grad_scaler=grad_scaler,
         train_loader=train_loader, valid_loaders=valid_loaders, batch_skipper=batch_skipper, state=state, dims=dims,
         device=launch.device, run_dir=run_dir, rank=launch.rank, world_size=launch.world_size,
-        metric_hook=metric_hook, throughput=throughput, comm=CommCounter.attach(model) if dims.dp_shard > 1 else None,
-        writer=writer, checkpoint_manager=ckpt, callbacks=callbacks)
+        metric_hook=metric_hook, throughput=throughput, comm=CommCounter.attach(model) if dims.dp_shard_cp > 1 else None,
+        writer=writer, checkpoint_manager=ckpt, callbacks=callbacks, evaluator=evaluator, context=ContextCut.of(dims))
 
 
 def build_parallel_model(inputs: ModelInputs, cfg: Config, dims: ParallelDims, launch: LaunchInfo, seed: int,
@@ -276,6 +289,6 @@ def build_instruments(cfg: Config, launch: LaunchInfo, dims: ParallelDims, kerne
     throughput = Throughput(model_flops_per_token(cfg, args), launch.world_size, peak)
     timers = Timers(device=launch.device)  # CUDA: device time between events, not host enqueue time
     type_names = getattr(train_loader, "type_names", None) or {}
-    # summed over data parallel x pipeline: each micro-batch counted once (only the last stage has outputs)
-    metric = AccPerplex(type_names, dims.group("pp_dp") if dims.dp * dims.pp > 1 else None)
+    # summed over data x context parallel x pipeline: each token counted once (only the last stage has outputs)
+    metric = AccPerplex(type_names, dims.group("pp_dp") if dims.dp_cp * dims.pp > 1 else None)
     return SchedulerMetricHook(timers, metric), throughput

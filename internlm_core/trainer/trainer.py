@@ -27,11 +27,13 @@ from ..utils.writer import MetricsWriter
 from ..callbacks import CallbackList
 from ..checkpoint import CheckpointManager
 from ..parallel import CommCounter
+from ..parallel.context import ROW_KEYS, ContextCut
 from .hooks import SchedulerMetricHook
 from .state import BatchSkipper, TrainState
 
 if TYPE_CHECKING:
     from ..parallel.pipeline import PipelineParallel
+    from .evaluation import TaskEvaluator
 
 logger = get_logger(__name__)
 
@@ -113,6 +115,8 @@ class Trainer:
     writer: MetricsWriter                 # opened after any resume (a resumed run writes on where it stopped)
     checkpoint_manager: CheckpointManager  # registered, lease taken, resume done
     callbacks: CallbackList               # observers and steerers, in the order build_trainer declares
+    evaluator: Optional[TaskEvaluator] = None  # evaluation.tasks (trainer/evaluation.py); None without tasks
+    context: Optional[ContextCut] = None   # context parallel: this rank's zigzag chunk of every row
     stop_request: StopRequest = field(default_factory=StopRequest)
     last_metrics: dict = field(default_factory=dict)
     _step_end: float = 0.0  # perf_counter at the end of the last step: the start of the next step's time
@@ -139,18 +143,22 @@ class Trainer:
         return contextlib.nullcontext()
 
     def _micro_batches(self, batch: dict, n: int) -> Iterator[dict]:
-        """Split a batch into micro-batches shaped [micro_bsz, seq_len] (rows never share a document)."""
+        """Split a batch into micro-batches shaped [micro_bsz, seq_len] (rows never share a document); under
+        context parallel each cut on the host into this rank's chunk (document ids and loss share with it)."""
         seq_len = self.loop.seq_len
         for i in range(n):
-            ids = batch["input_ids"][i]
-            rows = ids.numel() // seq_len
-            yield {
-                "input_ids": to_device(ids.view(rows, seq_len), self.device),
-                "labels": to_device(batch["labels"][i].view(rows, seq_len), self.device),
-                "position_ids": to_device(batch["position_ids"][i].view(rows, seq_len), self.device),
-                "type_ids": to_device(batch["type_ids"][i].view(rows, seq_len), self.device),
-                "cu_seqlens": batch["cu_seqlens"][i],
-            }
+            rows = batch["input_ids"][i].numel() // seq_len
+            mb = {k: batch[k][i].view(rows, seq_len) for k in ROW_KEYS}
+            mb["cu_seqlens"] = batch["cu_seqlens"][i]
+            if self.context is not None:
+                mb = self.context(mb)  # document_ids stay on the host, where the model reads the layout
+            yield {k: to_device(v, self.device) if k in ROW_KEYS else v for k, v in mb.items()}
+
+    def _forward(self, mb: dict) -> torch.Tensor:
+        """The model on one micro-batch: its documents as cu_seqlens, or per-token ids under context parallel."""
+        if "document_ids" in mb:
+            return self.model(mb["input_ids"], mb["position_ids"], document_ids=mb["document_ids"])
+        return self.model(mb["input_ids"], mb["position_ids"], mb["cu_seqlens"])
 
     def _check_vocab(self, batch: dict) -> None:
         vmax = int(batch["input_ids"].max())
@@ -181,11 +189,13 @@ class Trainer:
             with self.autocast():
                 fire("on_before_forward", self)
                 with hook.phase("fwd"):
-                    logits = self.model(mb["input_ids"], mb["position_ids"], mb["cu_seqlens"])
+                    logits = self._forward(mb)
                 fire("on_after_forward", self)
                 fire("on_before_criterion", self)
                 with hook.phase("cal_loss"):
                     loss, side = self.loss_fn(logits, mb["labels"])
+                if "loss_share" in mb:  # context parallel: this chunk's part of the micro-batch's mean
+                    loss = loss * mb["loss_share"]
                 fire("on_after_criterion", self)
             logits = logits.detach()
             hook.record(logits, mb["labels"], mb["type_ids"], side.token_losses, side.predictions)
@@ -197,7 +207,8 @@ class Trainer:
                 fire("on_before_backward", self)
                 self.family.before_backward(self.model, scale / n)
                 with hook.phase("bwd"):
-                    (loss * (scale / n)).backward()
+                    # FSDP averages over the context ranks too: times cp, their parts of the mean are summed
+                    (loss * (scale * self.dims.cp / n)).backward()
                 fire("on_after_backward", self)
         return total / n
 
@@ -258,7 +269,7 @@ class Trainer:
             self.grad_scaler.update(not finite)
         if finite:
             self.optimizer.step()
-            self.family.after_step(self.model, self.dims.group("dp") if self.dims.dp > 1 else None)
+            self.family.after_step(self.model, self.dims.group("dp_cp") if self.dims.dp_cp > 1 else None)
             self.lr_scheduler.step()
             self.beta2_scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
@@ -274,9 +285,10 @@ class Trainer:
         return flag.item() == 0.0
 
     def _reduce_loss(self, loss: torch.Tensor) -> float:
-        """The mean loss over the global batch: averaged over data-parallel ranks; under pipeline parallel
-        only the last stage holds it (the others contribute 0 to the sum over "pp_dp")."""
-        if self.dims.dp * self.dims.pp > 1:
+        """The mean loss over the global batch: averaged over data-parallel ranks (context ranks hold parts of it,
+        summed); under pipeline parallel only the last stage holds it (the others contribute 0 to the sum over
+        "pp_dp")."""
+        if self.dims.dp_cp * self.dims.pp > 1:
             loss = loss.clone()
             collectives.all_reduce(loss, op=dist.ReduceOp.SUM, group=self.dims.group("pp_dp"))
             loss /= self.dims.dp
@@ -321,7 +333,7 @@ class Trainer:
         metrics.update({f"time/{k}": v for k, v in self.timers.pop().items()})
         if self.comm is not None:
             metrics.update(self.comm.pop())
-        metrics.update(self.family.step_metrics(self.model))
+        metrics.update(self.family.step_metrics(self.model, self.dims.group("dp_cp") if self.dims.dp_cp > 1 else None))
         return metrics
 
     def train(self) -> TrainState:
@@ -353,11 +365,17 @@ class Trainer:
             if loop.valid_every > 0 and st.batch_count % loop.valid_every == 0:
                 self.evaluate()
                 self._step_end = time.perf_counter()  # validation has its own valid_time
+            if self.evaluator is not None and self.evaluator.due(st.batch_count):
+                self.evaluate_tasks()
+                self._step_end = time.perf_counter()  # as validation: eval_time
             if self.stop_request.stop:
                 logger.info(f"stopping after step {st.batch_count}: {self.stop_request.reason}")
                 break
         if loop.validate_at_end and st.batch_count >= loop.total_steps and self._validated_at != st.batch_count:
             self.evaluate()  # the final validation data.valid_every promises
+        ev = self.evaluator
+        if ev is not None and ev.at_end and st.batch_count >= loop.total_steps and ev.last_step != st.batch_count:
+            self.evaluate_tasks()
         self.callbacks.fire("on_train_end", self)
         self.writer.close()
         return st
@@ -367,12 +385,23 @@ class Trainer:
         n = batch["input_ids"].shape[0]
         if self.pipeline is None:
             for mb in self._micro_batches(batch, n):
-                yield self.model(mb["input_ids"], mb["position_ids"], mb["cu_seqlens"]), mb
+                yield self._forward(mb), mb
             return
         mbs = list(self._micro_batches(batch, n))
         for mb in mbs:
             mb["document_ids"] = document_ids_from_cu_seqlens(mb["cu_seqlens"], *mb["input_ids"].shape)  # host
         yield from self.pipeline.forward_only(mbs)
+
+    @torch.no_grad()
+    def evaluate_tasks(self) -> dict:
+        """evaluation.tasks scored with the current weights through the evaluation forward (sharded as training)."""
+        self.model.eval()
+        results = self.evaluator.run(self._eval_outputs, lambda: (self.autocast(), self.loss_context()),
+                                     self.state.batch_count)
+        self.timers.pop()
+        self.model.train()
+        self.writer.write(self.state.batch_count, results, kind="eval")
+        return results
 
     @torch.no_grad()
     def evaluate(self) -> dict:

@@ -18,14 +18,15 @@ from internlm_core.model import build_model, count_parameters
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "configs"
 ROOT = Path(__file__).resolve().parents[2]
 
-# fixture → (model_type, parameters of the meta build, tensor, sequence parallel)
+# fixture → (model_type, parameters of the meta build, tensor, sequence parallel); InternEvo's isp mode is context
+# parallel of its size here (tests/unit/test_context_config.py), tensor 1
 EXPECTED = {
     "internlm_7B_sft.py": ("INTERNLM", 7_321_948_160, 1, False),
     "internlm_20B_sft.py": ("INTERNLM", 20_089_943_040, 8, True),
-    "internlm_13B_train_8192_intern.py": ("INTERNLM", 13_745_443_840, 8, True),
+    "internlm_13B_train_8192_intern.py": ("INTERNLM", 13_745_443_840, 1, False),  # sp="intern": context 8
     "internevo_7B_sft.py": ("INTERNLM", 7_321_948_160, 1, False),
-    "internevo_7B_internlm2.py": ("INTERNLM2", 7_737_708_544, 2, True),
-    "internevo_7B_isp_sft.py": ("INTERNLM2", 7_321_423_872, 2, True),
+    "internevo_7B_internlm2.py": ("INTERNLM2", 7_737_708_544, 1, False),
+    "internevo_7B_isp_sft.py": ("INTERNLM2", 7_321_423_872, 1, False),
     "internevo_7B_llama2.py": ("LLAMA", 7_241_732_096, 1, False),
 }
 
@@ -80,7 +81,7 @@ def test_forms_map_or_refuse():
         ({"parallel": {"tensor": {"size": 2, "mode": "xtp"}}}, r"parallel.tensor.mode: expected one of mtp, msp"),
         ({"model": {"num_experts": 4}}, r"model.num_experts=4: model_type 'INTERNLM' is dense"),
         ({"model": {"drop_rate": 0.1}}, r"model.drop_rate=0.1: dropout is not implemented"),
-        ({"parallel": {"sequence_2D": {"enable": True}}}, r"2D sequence parallel .* nearest layout is"),
+        ({"parallel": {"sequence_2D": {"enable": True}}}, r"2D sequence parallel runs over the isp tensor group"),
         ({"ckpt": {"load_ckpt_folder": "/a", "load_model_only_folder": "/b"}}, r"are both set"),
     ]:
         with pytest.raises(ConfigError, match=message):

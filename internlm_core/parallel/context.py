@@ -1,0 +1,69 @@
+"""Context parallel, generically: the model's attention is told its context group (model/context's
+`set_context_parallel`), and the trainer feeds each rank its zigzag chunk of every packed row (`ContextCut`).
+
+The ranks of one context group read the same rows. Each cuts every row of T tokens into 2C chunks and keeps
+chunks r and 2C-1-r (equal causal work per rank), with the labels, positions, dataset types and per-token document
+ids of those tokens, on the host. The loss of a rank is the mean over its chunk's tokens times its share of the
+micro-batch's counted tokens (`loss_share`), so that the ranks' losses sum to the whole micro-batch's mean, as one
+rank computes it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn as nn
+
+from ..distributed.parallel_dims import ParallelDims
+from ..model import document_ids_from_cu_seqlens
+from ..utils.logging import get_logger
+
+logger = get_logger(__name__)
+
+# the per-token tensors of a micro-batch, [rows, seq_len] each: cut along the sequence
+ROW_KEYS = ("input_ids", "labels", "position_ids", "type_ids")
+
+
+def apply_context_parallel(model: nn.Module, dims: ParallelDims, mode: str, inner: int) -> None:
+    """Give `model`'s attention this rank's context group (after tensor parallel, before checkpointing, compile
+    and FSDP): from then on it expects the local zigzag chunk of each row, with per-token document ids."""
+    from ..model.context import ContextGroup, set_context_parallel  # imported when used: CP runs only
+
+    group = ContextGroup(dims.group("cp"), dims.cp, dims.cp_rank, mode, inner=inner)
+    set_context_parallel(model, group)
+    logger.info(f"context parallel {dims.cp} ({mode}{f', inner {inner}' if mode == '2d' else ''}): "
+                f"rank {dims.cp_rank} keeps zigzag chunks {dims.cp_rank} and {2 * dims.cp - 1 - dims.cp_rank} "
+                f"of {2 * dims.cp} of every sequence")
+
+
+@dataclass
+class ContextCut:
+    """Cuts a host micro-batch (ROW_KEYS [rows, T] and `cu_seqlens`) into this rank's zigzag chunk: ROW_KEYS
+    [rows, T / size], `document_ids` [rows, T / size] instead of cu_seqlens, and `loss_share`: the chunk's counted
+    tokens (labels != -100) over the micro-batch's, the factor of this rank's mean loss."""
+
+    size: int
+    rank: int
+    _indices: dict = field(default_factory=dict, repr=False)  # seq_len -> the chunk's token indices
+
+    @classmethod
+    def of(cls, dims: ParallelDims) -> "ContextCut | None":
+        """The cut of this rank; None without context parallel."""
+        return cls(dims.cp, dims.cp_rank) if dims.cp > 1 else None
+
+    def indices(self, seq_len: int) -> torch.Tensor:
+        if seq_len not in self._indices:
+            from ..model.context import zigzag_indices
+            self._indices[seq_len] = zigzag_indices(seq_len, self.size, self.rank)
+        return self._indices[seq_len]
+
+    def __call__(self, mb: dict) -> dict:
+        rows, seq_len = mb["input_ids"].shape
+        idx = self.indices(seq_len)
+        out = {k: mb[k][:, idx].contiguous() for k in ROW_KEYS}
+        out["document_ids"] = document_ids_from_cu_seqlens(mb["cu_seqlens"], rows, seq_len)[:, idx].contiguous()
+        total = int((mb["labels"] != -100).sum())
+        # a micro-batch without any counted token has loss 0 everywhere (the loss's count is clamped to 1)
+        out["loss_share"] = int((out["labels"] != -100).sum()) / total if total else 0.0
+        return out
