@@ -18,6 +18,7 @@ from ..utils import collectives
 from ..model.spec import AdapterContext, StateDictAdapter, get_model_spec, model_types
 
 _GROUP = re.compile(r"^(.*?\.\d+)\.")
+_INDEX = re.compile(r"(?:^|\.)(\d+)(?:\.|$)")
 
 
 def group_key(name: str) -> str:
@@ -61,72 +62,154 @@ def find_adapter(model_type: Optional[str], fmt: str, architecture: Optional[str
     raise CheckpointError(f"{where}{architecture}: {who} reads {known}")
 
 
+def check_model_keys(args: Any, keys: Mapping[str, Any], source: str, what: str, hint: str = "",
+                     numerics: bool = False) -> None:
+    """CheckpointError when the `model` keys a foreign config implies (`keys`) differ from the built model's
+    `args` (ModelArgs); `what` names the foreign config ("the Hugging Face config"). `numerics`: the rotary base
+    and the norm epsilon too (the shapes would load, the outputs would differ)."""
+    ours = {"num_layers": args.num_layers, "hidden_size": args.hidden_size, "num_attention_heads": args.num_heads,
+            "num_kv_attention_heads": args.num_kv_heads, "vocab_size": args.vocab_size,
+            "intermediate_size": args.ffn_width, "qkv_bias": bool(args.qkv_bias),
+            "tie_word_embeddings": bool(args.tie_word_embeddings)}
+    if numerics:
+        ours.update(rope_base=float(args.rope_base), layer_norm_epsilon=float(args.norm_eps))
+    diff = [f"{k}: model {v} vs {source} {keys[k]}" for k, v in ours.items() if k in keys and keys[k] != v]
+    if diff:
+        raise CheckpointError(f"the model does not match {what} ({'; '.join(diff)})" + (f"; {hint}" if hint else ""))
+
+
 def distributed_model(model: torch.nn.Module) -> bool:
+    """True when some parameter of `model` is a DTensor (FSDP2, tensor or expert parallel)."""
     from torch.distributed.tensor import DTensor
 
     return any(isinstance(p, DTensor) for p in model.parameters())
 
 
-def load_full_state(model: torch.nn.Module, read: Callable[[list[str]], dict[str, torch.Tensor]], where: str,
-                    strict: bool = True) -> list[str]:
-    """Fill `model` from full (unsharded) tensors; `read(our names)` returns them (a subset when the source lacks
-    some: with `strict` that is an error). Returns the names loaded.
+# ---------------------------------------------------------------------------------------------------------
+# filling a model of any layout
 
-    DTensor models (FSDP2, tensor parallel) are filled by `set_model_state_dict(full_state_dict=True,
-    broadcast_from_rank0=True)`: rank 0 reads what every rank needs, every rank receives its shards. Plain modules
-    (one process, or one pipeline stage without sharding) read their own tensors.
+Reader = Callable[[dict[str, torch.Tensor]], Mapping[str, torch.Tensor]]
+
+
+def layer_index(name: str) -> Optional[int]:
+    """The first numeric component of a name (its layer: `layers.3.x`, `blocks.3.x`, `model.layers.3.x` → 3)."""
+    m = _INDEX.search(name)
+    return int(m.group(1)) if m else None
+
+
+def batches(names: Iterable[str]) -> list[list[str]]:
+    """The units a load reads, converts and sends at once: each layer group, then every name outside the layers
+    together (embedding, final norm, output: a foreign format may pack them jointly, e.g. a tied output)."""
+    layers: dict[str, list[str]] = {}
+    rest: list[str] = []
+    for n in names:
+        if layer_index(n) is None:
+            rest.append(n)
+        else:
+            layers.setdefault(group_key(n), []).append(n)
+    return [*layers.values(), *([rest] if rest else [])]
+
+
+def select_layers(state: Mapping[str, Any], names: Iterable[str]) -> dict[str, Any]:
+    """The entries of a foreign state dict that the layers of our `names` come from: the same layer numbers (a
+    foreign format numbers its layers as we do), or, for names outside the layers, every entry outside them."""
+    wanted = {layer_index(n) for n in names}
+    return {k: v for k, v in state.items() if layer_index(k) in wanted}
+
+
+def _global_metas(target: Mapping[str, torch.Tensor], shared: bool) -> dict[str, torch.Tensor]:
+    """Meta tensors (global shape, the model's dtype) of every name any rank holds, in one order on every rank."""
+    mine = {k: (tuple(v.shape), v.dtype) for k, v in target.items()}
+    if not shared:
+        everyone = [mine]
+    else:
+        everyone = [None] * dist.get_world_size()
+        collectives.all_gather_object(everyone, mine)
+    out: dict[str, torch.Tensor] = {}
+    for d in everyone:
+        for k, (shape, dtype) in d.items():
+            out.setdefault(k, torch.empty(shape, dtype=dtype, device="meta"))
+    return out
+
+
+def _read_batch(read: Reader, metas: dict[str, torch.Tensor], where: str,
+                strict: bool) -> tuple[str, dict[str, torch.Tensor], Optional[BaseException]]:
+    """(problem or "", the batch's full tensors in the model's dtypes, an unexpected error to re-raise)."""
+    try:
+        got = read(metas)
+    except CheckpointError as e:
+        return str(e), {}, None
+    except Exception as e:  # a bug: the reading rank re-raises it with its traceback, the others learn of it
+        return f"{where}: reading failed on rank 0: {type(e).__name__}: {e}", {}, e
+    missing = [n for n in metas if n not in got]
+    if missing and strict:
+        return (f"{where}: missing {len(missing)} tensor(s) the model needs, e.g. {', '.join(missing[:3])}", {},
+                None)
+    for n, t in got.items():
+        if n in metas and tuple(t.shape) != tuple(metas[n].shape):
+            return f"{where}: {n} has shape {tuple(t.shape)} there, the model's has {tuple(metas[n].shape)}", {}, None
+    return "", {n: got[n].to(metas[n].dtype) for n in metas if n in got}, None
+
+
+def _copy_into(dst: torch.Tensor, full: torch.Tensor, name: str) -> None:
+    """Write this rank's part of the full tensor `full` into `dst` (a DTensor's local shard, or all of it)."""
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    if isinstance(dst, DTensor):
+        # src_data_rank=None: every rank holds `full` and cuts its own shard, no communication
+        part = distribute_tensor(full, dst.device_mesh, dst.placements, src_data_rank=None).to_local()
+        local = dst.to_local()
+    else:
+        part, local = full, dst
+    if tuple(part.shape) != tuple(local.shape):
+        raise CheckpointError(f"{name}: this rank's part has shape {tuple(part.shape)}, its parameter "
+                              f"{tuple(local.shape)}")
+    local.copy_(part)
+
+
+def load_full_state(model: torch.nn.Module, read: Reader, where: str, strict: bool = True) -> list[str]:
+    """Fill `model` (plain, FSDP2 / tensor / expert parallel, one pipeline stage, or any mix) from full
+    (unsharded) tensors; returns the names this rank loaded.
+
+    `read({our name: meta tensor of its global shape and the model's dtype})` returns full tensors of those
+    names (fewer when the source lacks some: with `strict` that is an error); it is called one layer at a time
+    (`batches`). In a job, rank 0 alone reads, for the names of every rank (each pipeline stage its own layers),
+    and broadcasts each tensor in turn over the default group; every rank keeps its own shard of the tensors its
+    model holds. Memory: rank 0 holds one layer of the source, every rank one full tensor at a time.
     """
     target = model.state_dict()
-    names = list(target)
-    shared = distributed_model(model) and dist.is_initialized()
-    if shared:
-        everyone: list[Any] = [None] * dist.get_world_size()
-        collectives.all_gather_object(everyone, names)
-        wanted = list(dict.fromkeys(n for ns in everyone for n in ns))
-        shapes: dict[str, tuple] = {}
-        for sh in _gather_shapes(target):
-            shapes.update(sh)
-    else:
-        wanted = names
-        shapes = {k: tuple(v.shape) for k, v in target.items()}
-    problem, sd = "", {}
-    if not shared or dist.get_rank() == 0:
-        try:
-            sd = read(wanted)
-            missing = [n for n in wanted if n not in sd]
-            if missing and strict:
-                problem = f"{where}: missing {len(missing)} tensor(s) the model needs, e.g. {', '.join(missing[:3])}"
-            for n, t in sd.items():
-                if n in shapes and tuple(t.shape) != shapes[n]:
-                    problem = problem or (f"{where}: {n} has shape {tuple(t.shape)} there, the model's has "
-                                          f"{shapes[n]}")
-        except CheckpointError as e:
-            problem = str(e)
-    if shared:
-        box = [problem]
-        collectives.broadcast_object_list(box, src=0)
-        problem = box[0]
-    if problem:
-        raise CheckpointError(problem)
-    if shared:
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
-
-        sd = {k: v.to(target[k].dtype) for k, v in sd.items() if k in target} if dist.get_rank() == 0 else {}
-        set_model_state_dict(model, sd, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True,
-                                                                 strict=strict))
-        return sorted(names)
-    sd = {k: v.to(target[k].dtype) for k, v in sd.items() if k in target}
-    result = model.load_state_dict(sd, strict=False)
-    if strict and result.missing_keys:
-        raise CheckpointError(f"{where}: not loaded into the model: {result.missing_keys[:3]}")
-    return sorted(sd)
-
-
-def _gather_shapes(target: Mapping[str, torch.Tensor]) -> list[dict[str, tuple]]:
-    mine = {k: tuple(v.shape) for k, v in target.items()}
-    everyone: list[Any] = [None] * dist.get_world_size()
-    collectives.all_gather_object(everyone, mine)
-    return everyone
+    shared = collectives.dist_ready() and dist.get_world_size() > 1
+    metas = _global_metas(target, shared)
+    reader = not shared or dist.get_rank() == 0
+    device = collectives.group_device() if shared else None
+    loaded: list[str] = []
+    with torch.no_grad():
+        for names in batches(metas):
+            problem, tensors, error = "", {}, None
+            if reader:
+                problem, tensors, error = _read_batch(read, {n: metas[n] for n in names}, where, strict)
+            present = list(tensors)
+            if shared:
+                box: list[Any] = [(problem, present)]
+                collectives.broadcast_object_list(box, src=0)
+                problem, present = box[0]
+            if error is not None:
+                raise error
+            if problem:
+                raise CheckpointError(problem)
+            for n in present:
+                full = tensors.pop(n, None)
+                if shared:
+                    full = (full.to(device).contiguous() if reader else
+                            torch.empty(metas[n].shape, dtype=metas[n].dtype, device=device))
+                    collectives.broadcast(full, src=0)
+                if n in target:
+                    _copy_into(target[n], full, n)
+                    loaded.append(n)
+                del full
+    if strict and len(set(loaded)) != len(target):
+        raise CheckpointError(f"{where}: not loaded into the model: {[n for n in target if n not in loaded][:3]}")
+    return sorted(loaded)
 
 
 def context(args: Any, tp: int = 1, options: Optional[Mapping[str, Any]] = None) -> AdapterContext:

@@ -23,19 +23,27 @@ from typing import Any, Callable, Mapping, Optional
 import torch
 
 from ..errors import CheckpointError
-from ..model.spec import StateDictAdapter, get_model_spec
+from ..model.spec import StateDictAdapter, get_model_spec, model_types
 from ..numerics.precision import resolve_precision
 from .catalog import checkpoint_config, local_checkpoint
-from .foreign import context, find_adapter, groups, load_full_state, meta_shapes
+from .foreign import check_model_keys, context, find_adapter, groups, load_full_state
 from .safe_dcp import SafeFileSystemReader, SafeLoadPlanner, read_dcp_metadata
 from .safetensors_io import hf_safetensors_files, parse_size, read_hf_tensors, read_json, write_safetensors_shards
 from .tokenizer_export import write_tokenizer_files
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-# HF config.json model_type → its class, for folders whose config.json lacks "architectures"
-_HF_CLASSES = {"llama": "LlamaForCausalLM", "internlm": "InternLMForCausalLM", "internlm2": "InternLM2ForCausalLM",
-               "mixtral": "MixtralForCausalLM"}
-HF_ARCHS = {"llama": "LlamaForCausalLM", "internlm": "InternLMForCausalLM", "internlm2": "InternLM2ForCausalLM"}
+
+
+def hf_classes() -> dict[str, str]:
+    """HF config.json model_type → its class, of every registered family's Hugging Face adapters
+    (`StateDictAdapter.hf_model_types`): what names the class of a folder whose config.json lacks "architectures",
+    and the `arch` names of an export."""
+    out: dict[str, str] = {}
+    for name in model_types():
+        for ad in get_model_spec(name).adapters.values():
+            if ad.format == "hf":
+                out.update({mt: arch for mt, arch in zip(ad.hf_model_types, ad.architectures) if mt not in out})
+    return out
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -47,10 +55,11 @@ def hf_class(hf_dir: str | os.PathLike) -> tuple[str, dict]:
     c = read_json(path)
     archs = c.get("architectures") or []
     mt = c.get("model_type")
-    arch = archs[0] if archs else _HF_CLASSES.get(str(mt))
-    if arch is None or (mt is not None and _HF_CLASSES.get(str(mt)) != arch):
+    classes = hf_classes()
+    arch = archs[0] if archs else classes.get(str(mt))
+    if arch is None or (mt is not None and classes.get(str(mt)) != arch):
         raise CheckpointError(f"{path}: model_type {mt!r} ({', '.join(archs) or 'no architectures'}); internlm-core "
-                              f"reads Hugging Face folders of model_type {', '.join(_HF_CLASSES)}")
+                              f"reads Hugging Face folders of model_type {', '.join(classes)}")
     return arch, c
 
 
@@ -77,22 +86,18 @@ def load_hf(model: torch.nn.Module, hf_dir: str | os.PathLike, model_type: Optio
     keys = adapter.config_from_foreign(c, str(Path(hf_dir) / "config.json"))  # type: ignore[misc, call-arg]
     args = getattr(model, "args", None)
     if args is not None:
-        ours = {"num_layers": args.num_layers, "hidden_size": args.hidden_size, "num_attention_heads": args.num_heads,
-                "num_kv_attention_heads": args.num_kv_heads, "vocab_size": args.vocab_size,
-                "intermediate_size": args.ffn_width, "qkv_bias": bool(args.qkv_bias),
-                "tie_word_embeddings": bool(args.tie_word_embeddings)}
-        diff = [f"{k}: model {v} vs {hf_dir} {keys[k]}" for k, v in ours.items() if k in keys and keys[k] != v]
-        if diff:
-            raise CheckpointError(f"the model does not match the Hugging Face config ({'; '.join(diff)}); set "
-                                  f"these model keys (internlm_core.checkpoint.hf.config_from_hf reads them)")
+        check_model_keys(args, keys, str(hf_dir), "the Hugging Face config",
+                         "set these model keys (internlm_core.checkpoint.hf.config_from_hf reads them)")
     ctx = context(args)
-    shapes = meta_shapes(model.state_dict())
+    state: dict[str, Any] = {}  # the folder's tensor index, read once (on the reading rank)
 
-    def read(names: list[str]) -> dict[str, torch.Tensor]:
-        available = hf_safetensors_files(hf_dir)
+    def read(metas: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        if "available" not in state:
+            state["available"] = hf_safetensors_files(hf_dir)
+        available = state["available"]
         wanted: list[str] = []
-        for group in groups(names).values():
-            foreign = adapter.to_foreign({n: shapes[n] for n in group if n in shapes}, ctx)
+        for group in groups(metas).values():
+            foreign = adapter.to_foreign({n: metas[n] for n in group}, ctx)
             wanted.extend(f for f in foreign if f not in wanted)
         missing = [f for f in wanted if f not in available]
         if missing and strict:
@@ -100,7 +105,7 @@ def load_hf(model: torch.nn.Module, hf_dir: str | os.PathLike, model_type: Optio
                                   f"{', '.join(missing[:3])}")
         tensors = read_hf_tensors(hf_dir, [f for f in wanted if f in available])
         ours = adapter.from_foreign(tensors, ctx)
-        return {k: v for k, v in ours.items() if k in names}
+        return {k: v for k, v in ours.items() if k in metas}
 
     return load_full_state(model, read, str(hf_dir), strict=strict)
 
@@ -135,9 +140,10 @@ def export_adapter(cfg: Any, arch: Optional[str] = None) -> StateDictAdapter:
             cfg.model_type, "hf", "LlamaForCausalLM")
     if arch == "native":
         return spec.adapters["hf"]
-    if arch not in HF_ARCHS:
-        raise CheckpointError(f"Hugging Face class {arch!r}: expected one of llama, internlm, internlm2, native")
-    return find_adapter(cfg.model_type, "hf", HF_ARCHS[arch], where="export: ")
+    classes = hf_classes()
+    if arch not in classes:
+        raise CheckpointError(f"Hugging Face class {arch!r}: expected native or one of {', '.join(classes)}")
+    return find_adapter(cfg.model_type, "hf", classes[arch], where="export: ")
 
 
 def export_hf(out_dir: str | os.PathLike, cfg: Any, source: Mapping[str, torch.Tensor] | TensorSource,

@@ -22,23 +22,32 @@ from typing import Any, Callable, Mapping, Optional
 import torch
 
 from ..errors import CheckpointError
-from ..model.spec import get_model_spec
+from ..model.spec import StateDictAdapter, get_model_spec
 from ..numerics.precision import resolve_precision
-from .foreign import context, find_adapter, groups, load_full_state
+from .foreign import check_model_keys, context, find_adapter, groups, load_full_state, select_layers
 
 MODEL_FILE = re.compile(r"^model_tp(\d+)_pp(\d+)\.pt$")
 FSDP_FILE = re.compile(r"^model_tp(\d+)_pp(\d+)_(?:dp|zo)(\d+)\.pt$")
 MODEL_CONFIG = "model_config.pt"
 _LAYER = re.compile(r"\.(\d+)\.")
+# the model_config.pt keys a load checks against the built model (the FFN width comes from the tensors)
+_CHECKED = ("num_layers", "hidden_size", "num_attention_heads", "vocab_size", "num_kv_attention_heads")
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 def safe_load(path: Path) -> Any:
-    """torch.load(weights_only=True) on the CPU; CheckpointError naming the file when it is not plain data."""
+    """torch.load(weights_only=True) on the CPU, memory-mapped where the file allows it (torch.save's zip format:
+    a tensor is read from disk when it is used, so a load holds one layer, not the file); CheckpointError naming
+    the file when it is not plain data."""
+    if not Path(path).is_file():
+        raise CheckpointError(f"{path}: not found")
     try:
-        return torch.load(path, map_location="cpu", weights_only=True)
-    except FileNotFoundError:
-        raise CheckpointError(f"{path}: not found") from None
+        try:
+            return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+        except RuntimeError as e:
+            if "mmap" not in str(e):
+                raise
+            return torch.load(path, map_location="cpu", weights_only=True)  # the legacy format cannot be mapped
     except Exception as e:  # the unpickler refuses code, unknown globals, truncated files
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise CheckpointError(f"{path}: not a plain tensor file, refused by torch.load(weights_only=True) "
@@ -107,6 +116,14 @@ def read_internlm_folder(folder: str | os.PathLike) -> tuple[dict[int, dict[str,
     return shards, config
 
 
+def _check_config(config: Mapping[str, Any], adapter: StateDictAdapter, args: Any, folder: Any) -> None:
+    """The model's shape against the folder's model_config.pt (when it has one)."""
+    if config and adapter.config_from_foreign is not None:
+        keys = adapter.config_from_foreign(config)  # type: ignore[call-arg]
+        check_model_keys(args, {k: v for k, v in keys.items() if k in _CHECKED}, str(folder),
+                         "the checkpoint's model_config.pt")
+
+
 def load_internlm(model: torch.nn.Module, folder: str | os.PathLike, model_type: Optional[str] = None,
                   strict: bool = True) -> list[str]:
     """Load an InternLM / InternEvo folder (any tensor/pipeline split) into our built `model` (any layout)."""
@@ -115,18 +132,16 @@ def load_internlm(model: torch.nn.Module, folder: str | os.PathLike, model_type:
     if args is None:
         raise CheckpointError("an InternLM checkpoint loads into internlm-core's model (it has no .args here)")
 
-    def read(names: list[str]) -> dict[str, torch.Tensor]:
-        shards, config = read_internlm_folder(folder)
-        if config and adapter.config_from_foreign is not None:
-            keys = adapter.config_from_foreign(config)
-            ours = {"num_layers": args.num_layers, "hidden_size": args.hidden_size,
-                    "num_attention_heads": args.num_heads, "vocab_size": args.vocab_size,
-                    "num_kv_attention_heads": args.num_kv_heads}
-            diff = [f"{k}: model {v} vs {folder} {keys[k]}" for k, v in ours.items() if k in keys and keys[k] != v]
-            if diff:
-                raise CheckpointError(f"the model does not match the checkpoint's model_config.pt ({'; '.join(diff)})")
-        sd = adapter.from_foreign(shards, context(args, tp=len(shards), options=config))
-        return {k: v for k, v in sd.items() if k in names}
+    state: dict[str, Any] = {}  # the folder, read once (memory-mapped) by the reading rank
+
+    def read(metas: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        if not state:
+            state["shards"], state["config"] = read_internlm_folder(folder)
+            _check_config(state["config"], adapter, args, folder)
+        shards, config = state["shards"], state["config"]
+        part = {t: select_layers(sd, metas) for t, sd in shards.items()}  # this layer's tensors only
+        sd = adapter.from_foreign(part, context(args, tp=len(shards), options=config))
+        return {k: v for k, v in sd.items() if k in metas}
 
     return load_full_state(model, read, str(folder), strict=strict)
 

@@ -22,6 +22,7 @@ from .catalog import CheckpointRef
 from .collectives import Collectives
 from .hf import load_hf
 from .internlm_format import load_internlm
+from .meta_llama import load_meta_llama
 from .registry import StateRegistry
 from .safe_dcp import (DCP_ERRORS, SafeFileSystemReader, SafeLoadPlanner, describe, flat_keys, read_dcp_metadata,
                        unwrap)
@@ -36,6 +37,7 @@ FOREIGN_LOADERS: dict[str, Callable[[torch.nn.Module, Path, Optional[str]], list
     "hf": load_hf,
     "hf_llama": load_hf,
     "internlm": load_internlm,
+    "llama": load_meta_llama,
 }
 if set(FOREIGN_LOADERS) != set(FOREIGN_CKPT_TYPES):
     raise ImportError(f"checkpoint/restore.py FOREIGN_LOADERS {sorted(FOREIGN_LOADERS)} must have one loader for each "

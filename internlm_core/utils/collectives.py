@@ -144,6 +144,12 @@ def all_to_all_single(output: torch.Tensor, input: torch.Tensor, output_split_si
     return dist.all_to_all_single(out, inp, output_split_sizes, input_split_sizes, group=group, async_op=async_op)
 
 
+def broadcast(tensor: torch.Tensor, src: int, group: Group = None, async_op: bool = False) -> Any:
+    """`dist.broadcast` of global rank `src`'s `tensor` into `tensor` on every rank, after the placement check."""
+    (plain,) = _checked("broadcast", [tensor], group)
+    return dist.broadcast(plain, src, group=group, async_op=async_op)
+
+
 def send(tensor: torch.Tensor, dst: int, group: Group = None) -> None:
     """`dist.send` to global rank `dst`, after the placement check."""
     (plain,) = _checked("send", [tensor], group)
@@ -154,6 +160,29 @@ def recv(tensor: torch.Tensor, src: int, group: Group = None) -> None:
     """`dist.recv` from global rank `src` into `tensor`, after the placement check."""
     (plain,) = _checked("recv", [tensor], group)
     dist.recv(plain, src, group=group)
+
+
+def batch_isend_irecv(sends: list[tuple[torch.Tensor, int]], recvs: list[tuple[torch.Tensor, int]],
+                      group: Group = None, tag: int = 0) -> list:
+    """Post every send (tensor, global dst rank) and receive (tensor, global src rank into it) at once with
+    `dist.batch_isend_irecv` (context parallel's ring), after the placement check; returns the works to wait on.
+    The i-th send carries tag `tag` + i and matches the peer's i-th receive (gloo pairs messages by tag: exchanges
+    in flight together need different `tag`s)."""
+    plain = _checked("batch_isend_irecv", [t for t, _ in sends] + [t for t, _ in recvs], group)
+    ops = [dist.P2POp(dist.isend, t, peer, group, tag=tag + i) for i, (t, (_, peer)) in enumerate(zip(plain, sends))]
+    ops += [dist.P2POp(dist.irecv, t, peer, group, tag=tag + i)
+            for i, (t, (_, peer)) in enumerate(zip(plain[len(sends):], recvs))]
+    return dist.batch_isend_irecv(ops) if ops else []
+
+
+def replica_all_reduce(manager: Any, tensor: torch.Tensor) -> bool:
+    """The average of `tensor` over the replica groups of torchft's current quorum (`manager.allreduce`), in place,
+    after the placement check: the replica groups talk over the run's own backend (parallel/fault_tolerance.py picks
+    it so), so the tensor belongs where the run's own collectives want it. Fault tolerant: a lost peer does not
+    raise; it returns False, and the manager then refuses to commit the step (the tensor may hold garbage)."""
+    if dist_ready():
+        check_placement("replica_all_reduce", tensor)
+    return bool(manager.allreduce(_VIEW.plain(tensor)).wait())
 
 
 # ---- object collectives and barriers -------------------------------------------------------------------------------

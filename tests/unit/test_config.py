@@ -130,7 +130,7 @@ def test_checkpoint_names_are_one_list_shared_with_the_checkpoint_package():
     for kind in (*ckpt_names.CKPT_TYPES, *ckpt_names.CKPT_TYPE_ALIASES):  # every name the config accepts can load
         info = build_config({"ckpt": {"load_ckpt_info": {"path": "/x", "ckpt_type": kind}}}).ckpt.load_ckpt_info
         assert info.ckpt_type == ckpt_names.OWN_CKPT_TYPE or info.ckpt_type in FOREIGN_LOADERS
-    with pytest.raises(ConfigError, match=r"ckpt_type: expected one of internlm_core, internlm, hf, hf_llama \(or "):
+    with pytest.raises(ConfigError, match=r"ckpt_type: expected one of internlm_core, internlm, hf, hf_llama, llama \(or "):
         build_config({"ckpt": {"load_ckpt_info": {"path": "/x", "ckpt_type": "megatron"}}})
     with pytest.raises(ConfigError, match=r"content: unknown \['rng'\]; expected any of model, sampler, optimizer, "
                                           r"scheduler, all$"):
