@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import math
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Optional, Protocol, Sequence
 
 from .logging import get_logger
 from .redact import redact_tree
@@ -26,15 +26,25 @@ def _fmt(v: Any) -> str:
     return str(v)
 
 
+class RecordSink(Protocol):
+    """Where else a record goes (the experiment trackers): `send` must not block, `close` flushes."""
+
+    def send(self, record: dict[str, Any]) -> None: ...
+
+    def close(self) -> None: ...
+
+
 class MetricsWriter:
-    """Write one record per step; only the process that `active` (rank 0) writes."""
+    """Write one record per step; only the process that `active` (rank 0) writes. `sinks` get every record that
+    metrics.jsonl gets (monitor.trackers)."""
 
     def __init__(self, run_dir: str | Path, active: bool, tensorboard_dir: Optional[str | Path] = None,
-                 log_every: int = 1):
+                 log_every: int = 1, sinks: Sequence[RecordSink] = ()):
         self.active = active
         self.log_every = max(1, log_every)
         self._jsonl = None
         self._tb = None
+        self._sinks = list(sinks) if active else []
         if not active:
             return
         run_dir = Path(run_dir)
@@ -54,6 +64,8 @@ class MetricsWriter:
             return
         record = {"kind": kind, "step": step, **{k: v for k, v in metrics.items() if k != "step"}}
         self._jsonl.write(json.dumps(redact_tree(record), default=float) + "\n")  # text fields may quote a path
+        for sink in self._sinks:
+            sink.send(record)
         if self._tb is not None:
             for k, v in record.items():
                 if isinstance(v, (int, float)) and not isinstance(v, bool) and k != "step" and math.isfinite(v):
@@ -78,3 +90,6 @@ class MetricsWriter:
         if self._tb is not None:
             self._tb.close()
             self._tb = None
+        for sink in self._sinks:
+            sink.close()
+        self._sinks = []
