@@ -30,6 +30,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--simulate-rank", type=int, default=0, metavar="R", help="the rank --simulate runs (default 0)")
     p.add_argument("--simulate-device", choices=["cpu", "cuda"], default="cpu",
                    help="where --simulate runs its rank: this CPU (default) or this machine's GPU")
+    p.add_argument("--force", action="store_true",
+                   help="run even when the estimated memory exceeds what is free (memory_check=\"warn\": warn only)")
     return p.parse_args(argv)
 
 
@@ -64,6 +66,8 @@ def main(argv=None, extra_callbacks=None) -> int:
 
     launch = init_distributed(args.launcher, timeout_s=args.dist_timeout)
     cfg = load_config(args.config, args.set, world_size=launch.world_size)
+    if args.force:  # the memory check before materializing warns instead of refusing (estimate/fit.py)
+        cfg.memory_check = "warn" if cfg.memory_check == "refuse" else cfg.memory_check
     from internlm_core.trainer.build import build_trainer, resolve_run_dir
     run_dir = resolve_run_dir(cfg, args.run_dir, launch)
     setup_logging(launch.rank, run_dir)

@@ -333,6 +333,8 @@ class Config:
     seed: int = f(1024, "Seed of model init, dropout and (unless data.seed) data order.")
     DO_ALERT: bool = f(False, "InternLM's alert switch; enables monitor.alert.enable_feishu_alert.")
     tokenizer: Optional[str] = f(None, "Tokenizer of the data (model path or `byte`), recorded for export.")
+    memory_check: str = f("refuse", "Before materializing, each rank's estimated peak (tools/estimate.py) against the memory free for it (CPU: available host RAM shared by the node's ranks; CUDA: the device's free memory): \"refuse\" a run that cannot fit (one line: both numbers and the nearest layouts that fit) and warn within the estimator's error (15%); \"warn\" only warns (train.py --force); \"off\" skips the check.")
+    memory_limit_gib: Optional[float] = f(None, "Memory free per device for memory_check, in GiB, instead of the measured figure (pretend a smaller machine, or keep room for something else); None: measure.")
 
     def model_inputs(self) -> Any:
         """The plain values the model family reads (model.ModelInputs): its section, seq_len, the layout."""

@@ -20,6 +20,7 @@ import torch.distributed as dist
 from ..config import Config, dump_yaml
 from ..config.loader import compat_lines, config_to_dict
 from ..distributed import LaunchInfo, ParallelDims, set_deterministic, set_seed
+from ..estimate.fit import check_memory
 from ..loss import FlashGPTLMLoss
 from ..metrics import AccPerplex, Throughput
 from ..monitor import (AlertManager, MemoryProfiler, RestartReporter, build_loss_health, build_profiler,
@@ -224,6 +225,8 @@ def build_trainer(cfg: Config, launch: LaunchInfo, run_dir: Path, seed: Optional
     dims.build_mesh(launch.device.type)
     kernels = build_kernels(cfg, precision, launch.device, dims)
     inputs = dataclasses.replace(inputs, expert_gemm=kernels.expert_gemm)  # the MoE layers' kernel, chosen once
+    if not simulated:  # before any large allocation; --simulate checks its one rank itself (simulate.check_fits)
+        check_memory(cfg, launch.world_size, launch.rank, launch.device, launch.distributed, kernels, dims.pp_rank)
     write_run_files(cfg, run_dir, launch)
 
     model, pipeline, args = build_parallel_model(inputs, cfg, dims, launch, seed, precision, kernels)
