@@ -25,6 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from ..utils.transfer import to_device
+from .context import ContextGroup, ContextMeta, build_context_meta, context_attention
 
 
 
@@ -44,6 +45,9 @@ class PackedMeta:
     # CPU: per query block of `blocked_causal_attention`, bool [B, 1, rows, keys] True where a score is
     # masked out (another document or the future); None: no documents inside rows (plain causal)
     block_masks: Optional[list[torch.Tensor]] = None
+    # context parallel (model/context): the rank holds a zigzag chunk of every row; attention goes through
+    # context_attention with this layout (the fields above are unused); None: whole rows on this rank
+    context: Optional[ContextMeta] = None
 
 
 def document_ids_from_cu_seqlens(cu_seqlens: torch.Tensor, batch: int, seqlen: int) -> torch.Tensor:
@@ -94,11 +98,20 @@ def _layout_for_documents(seg: torch.Tensor, backend: str, device: torch.device
 
 
 def build_packed_meta(cu_seqlens: Optional[torch.Tensor], batch: int, seqlen: int, backend: str,
-                      device: torch.device, document_ids: Optional[torch.Tensor] = None) -> PackedMeta:
+                      device: torch.device, document_ids: Optional[torch.Tensor] = None,
+                      context: Optional[ContextGroup] = None) -> PackedMeta:
     """Turn cu_seqlens (or per-token document_ids) into what `backend` needs (outside compiled regions).
 
     The layout is read on the host: give host tensors (the trainer does) and the device never waits for the
-    host; document ids on the device are copied to the host once (a synchronization)."""
+    host; document ids on the device are copied to the host once (a synchronization).
+
+    context: under context parallel `seqlen` is the local length T/C and `document_ids` [B, T/C] the local
+    chunk's (None: one document per row); cu_seqlens, which describe whole rows, are refused."""
+    if context is not None:
+        if cu_seqlens is not None and document_ids is None:
+            raise ValueError("under context parallel give document_ids of the rank's chunk [B, T/C], not cu_seqlens")
+        meta = build_context_meta(context, document_ids, batch, seqlen, device)
+        return PackedMeta(None, seqlen * context.size, None, context=meta)
     if document_ids is not None:
         if tuple(document_ids.shape) != (batch, seqlen):
             raise ValueError(f"document_ids must have shape [{batch}, {seqlen}] (B, T), got {list(document_ids.shape)}")
@@ -214,7 +227,10 @@ def sdpa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Opti
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: PackedMeta, backend: str) -> torch.Tensor:
     """q [B, T, H, D], k/v [B, T, Hkv, D] -> [B, T, H, D]; causal within each document; `backend` as chosen by
-    numerics.select_kernels ("flash", "sdpa", "cpu_blocked")."""
+    numerics.select_kernels ("flash", "sdpa", "cpu_blocked"). Under context parallel (meta.context) T is the
+    rank's chunk and every backend runs model/context's blockwise kernels."""
+    if meta.context is not None:
+        return context_attention(q, k, v, meta.context, backend)
     if backend == "flash":
         return flash_attention(q, k, v, meta)
     q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)

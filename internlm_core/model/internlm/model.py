@@ -18,6 +18,7 @@ import torch.nn.functional as F
 
 from ..args import ModelArgs
 from ..attention import PackedMeta, attention, build_packed_meta
+from ..context import ContextGroup, local_positions
 from ..init import init_parameters
 from ..layers import Linear, RMSNorm, apply_rotary, rotary_tables
 
@@ -102,6 +103,9 @@ class Transformer(nn.Module):
         if a.tie_word_embeddings:
             self.output.weight = self.tok_embeddings.weight
         self.rope = Rotary(a)  # a module of its own: pipeline chunks share it (and its materialized tables)
+        # context parallel (model/context, set by set_context_parallel): forward then takes the rank's zigzag
+        # chunk of every row (ids, position_ids, document_ids [B, T/C]); None: whole rows
+        self.context: Optional[ContextGroup] = None
         if self.rope.cos.device.type != "meta":  # built directly on a device: usable at once
             self.init_weights()
 
@@ -131,12 +135,15 @@ class Transformer(nn.Module):
         position_ids: [B, T] position of each token in its document (default 0..T-1 per row).
         cu_seqlens: int32 document offsets over the flattened B*T tokens (default: one document per row),
         or document_ids: [B, T] the document of each token (see attention.py).
+        Under context parallel (`self.context`) each [B, T] input is the rank's zigzag chunk [B, T/C] of the rows
+        (document_ids, not cu_seqlens) and the logits are the chunk's.
         """
         if position_ids is None:
             if self.tok_embeddings is None:
                 raise ValueError("position_ids are required when the input is hidden states (a later pipeline stage)")
             B, T = input_ids.shape
-            position_ids = torch.arange(T, device=input_ids.device).expand(B, T)
+            position_ids = torch.arange(T, device=input_ids.device).expand(B, T) if self.context is None else \
+                local_positions(self.context, T, input_ids.device).expand(B, T)
         B, T = position_ids.shape
         if self.tok_embeddings is not None:
             h = self.tok_embeddings(input_ids)
@@ -147,7 +154,8 @@ class Transformer(nn.Module):
             h = input_ids
         cos = self.rope.cos[position_ids].unsqueeze(2)
         sin = self.rope.sin[position_ids].unsqueeze(2)
-        meta = build_packed_meta(cu_seqlens, B, T, self.args.attn_backend, h.device, document_ids)
+        meta = build_packed_meta(cu_seqlens, B, T, self.args.attn_backend, h.device, document_ids,
+                                 context=self.context)
         for layer in self.layers.values():
             h = layer(h, cos, sin, meta)
         if self.norm is not None:

@@ -1,0 +1,56 @@
+"""Context parallel attention: each of C ranks holds a zigzag chunk of every row (layout.py) and attention
+still sees whole rows.
+
+    ctx = ContextGroup(group, size, rank, mode="ring" | "all_to_all" | "2d", inner=1)
+    set_context_parallel(model, ctx)  # then model(input_ids [B, T/C], position_ids [B, T/C], document_ids=[B, T/C])
+
+One file per job: layout.py (who holds which tokens, the per-forward ContextMeta), blockwise.py (the attention core
+with log-sum-exp and its hand-written backward), ring.py (k/v around the ring), ulysses.py (the all-to-all mode),
+two_d.py (all-to-all inside, ring across), counters.py (bytes sent, counted and predicted).
+
+Every backend runs the blockwise core (plain torch ops, CPU and CUDA); flash-attn's kernels are not wired here.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.nn as nn
+
+from .blockwise import BLOCK, blockwise_attention, plan_blocks
+from .counters import a2a_kv_heads, pop_context_bytes, predicted_context_bytes
+from .layout import (MODES, ContextGroup, ContextMeta, build_context_meta, local_positions, make_inner_group,
+                     zigzag_indices)
+from .two_d import two_d_attention
+from .ulysses import ulysses_attention
+
+__all__ = ["BLOCK", "MODES", "ContextGroup", "ContextMeta", "a2a_kv_heads", "blockwise_attention",
+           "build_context_meta", "context_attention", "local_positions", "make_inner_group", "plan_blocks",
+           "pop_context_bytes", "predicted_context_bytes", "set_context_parallel", "zigzag_indices"]
+
+
+@torch.compiler.disable  # host-side plans and collectives: a compiled block calls it eagerly
+def context_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: ContextMeta,
+                      backend: Optional[str] = None) -> torch.Tensor:
+    """q [B, T/C, H, D], k/v [B, T/C, Hkv, D] (this rank's zigzag chunk, its local heads) -> [B, T/C, H, D],
+    attention over the whole rows. `backend` is not used: every backend runs the blockwise core."""
+    if meta.context.mode == "all_to_all" or meta.ring is None:
+        return ulysses_attention(q, k, v, meta)
+    return two_d_attention(q, k, v, meta)  # ring: an all-to-all of size 1
+
+
+def set_context_parallel(model: nn.Module, context: ContextGroup) -> None:
+    """Put `model`'s transformers (every submodule with a `context` attribute: the model, or its pipeline chunks)
+    under context parallel, and create the 2d mode's all-to-all subgroups (every rank of the group calls this)."""
+    if not isinstance(context, ContextGroup):
+        raise TypeError(f"set_context_parallel: expected a ContextGroup, got {type(context).__name__}")
+    make_inner_group(context)
+    found = 0
+    for module in model.modules():
+        if "context" in vars(module):
+            module.context = context
+            found += 1
+    if not found:
+        raise ValueError(f"set_context_parallel: {type(model).__name__} has no module with a `context` attribute "
+                         f"(the InternLM Transformer's); this model cannot run under context parallel")
