@@ -90,7 +90,7 @@ class ModelConfig:
     moe_use_residual: bool = f(False, "Residual MoE (InternEvo): a dense SwiGLU beside the experts, mixed with them by a learned per-token coefficient.")
     moe_intermediate_size: Optional[int] = f(None, "Each expert's FFN width; default the dense FFN width (intermediate_size, or mlp_ratio/multiple_of).")
     head_dim: Optional[int] = f(None, "Channels of each attention head; default hidden_size / num_attention_heads (Qwen3 sets 128 at every width).")
-    qk_norm: bool = f(False, "RMSNorm over each head's channels on q and k before the rotary embedding (Qwen3; QWEN3 / QWEN3_MOE turn it on).")
+    qk_norm: Optional[bool] = f(None, "RMSNorm over each head's channels on q and k before the rotary embedding (Qwen3); default: True for QWEN3 / QWEN3_MoE, False otherwise.")
     sliding_window: Optional[int] = f(None, "Sliding-window attention: each token attends to at most this many tokens of its document, itself included (Mistral); None: the whole document.")
     rope_scaling: Optional[dict] = f(None, "Rotary frequency scaling, InternLM2's / transformers' spelling: dict(type=\"linear\" or \"dynamic\", factor=f) (dynamic NTK takes original_max_position_embeddings, default data.seq_len: no change) or dict(rope_type=\"llama3\", factor, low_freq_factor, high_freq_factor, original_max_position_embeddings); None: none.")
 
@@ -247,6 +247,7 @@ class CkptConfig:
     keep_last_k: int = f(0, "Keep only the newest k regular checkpoints (0: keep all).")
     save_at_end: bool = f(True, "Save when training finishes.")
     lease_timeout: float = f(120.0, "One live writer per save_ckpt_folder: the run that saves holds a lease (a LEASE file with a heartbeat); another run is refused at start unless the lease is older than this many seconds, its holder died on this host, or it is the same job restarted (torchrun run id, SLURM job id). 0: no lease.")
+    hf_export_every: int = f(0, "Every this many steps also write a Hugging Face folder (safetensors, config.json, tokenizer files; loadable by transformers as it is) to <save_ckpt_folder>/hf/<step>/, in the background, each rank writing its own shards, with a COMPLETE marker (sizes, crc32) as the checkpoints; exports are kept. 0: off. Not with pipeline parallel.")
 
 
 @dataclass

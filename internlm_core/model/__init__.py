@@ -14,6 +14,19 @@ from .spec import (AdapterContext, MeshDim, MeshDimContext, ModelInputs, ModelSp
                    StageShapes, StateDictAdapter, TensorParallelOptions, TrainingHooks, canonical_model_type,
                    get_model_spec, model_types, register_model, unregister_model)
 from . import internlm, internlm2, llama, internlm_moe  # noqa: E402,F401  (the built-in families register themselves)
+
+
+def _import_families() -> None:
+    """Import every other folder of this package (each family folder registers its spec on import): adding a family
+    is adding its folder, nothing else."""
+    import importlib
+    import pkgutil
+    for info in pkgutil.iter_modules(__path__):
+        if info.ispkg:
+            importlib.import_module(f"{__name__}.{info.name}")
+
+
+_import_families()
 from .internlm.model import Transformer
 
 __all__ = ["AdapterContext", "MeshDim", "MeshDimContext", "ModelArgs", "ModelInputs", "ModelSpec", "ParallelSizes", "PackedMeta", "ParallelPlan", "StageShapes", "StateDictAdapter", "TensorParallelOptions", "TrainingHooks",

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Optional
 
 
 @dataclass
@@ -26,10 +26,20 @@ class ModelArgs:
     apply_post_layer_norm: bool = False
     use_fp32_norm: bool = False
     attn_backend: str = "sdpa"
+    # options of the shared block some families turn on; the defaults are the InternLM / Llama block
+    out_bias: Optional[bool] = None           # bias on wo; None: as qkv_bias (Qwen2: q/k/v biased, wo not)
+    qk_norm: bool = False                     # RMSNorm over head_dim on q and k before the rotary (Qwen3)
+    sliding_window: Optional[int] = None      # each query sees at most this many keys, itself included (Mistral)
+    rope_scaling: Optional[dict] = None       # linear / dynamic / llama3 frequency scaling (model.rope_scaling)
+    attention_head_dim: Optional[int] = None  # None: hidden_size / num_heads (Qwen3: 128 whatever the width)
 
     @property
     def head_dim(self) -> int:
-        return self.hidden_size // self.num_heads
+        return self.attention_head_dim or self.hidden_size // self.num_heads
+
+    @property
+    def wo_bias(self) -> bool:
+        return bool(self.qkv_bias if self.out_bias is None else self.out_bias)
 
 
 def ffn_width(m: Any) -> int:
@@ -49,13 +59,17 @@ def args_from_model_config(m: Any, seq_len: int, attn_backend: str = "sdpa") -> 
         rope_base=m.rope_base, tie_word_embeddings=m.tie_word_embeddings, init_std=m.init_std,
         embed_grad_scale=m.embed_grad_scale, apply_post_layer_norm=m.apply_post_layer_norm,
         use_fp32_norm=m.use_fp32_norm, attn_backend=attn_backend,
+        qk_norm=bool(getattr(m, "qk_norm", False)), sliding_window=getattr(m, "sliding_window", None),
+        rope_scaling=dict(m.rope_scaling) if getattr(m, "rope_scaling", None) else None,
+        attention_head_dim=getattr(m, "head_dim", None),
     )
 
 
 def analytic_parameter_count(a: ModelArgs) -> int:
     """The parameter count from the shape alone (checks `count_parameters` and feeds FLOPs estimates)."""
-    h, kv = a.hidden_size, a.num_kv_heads * a.head_dim
-    attn = h * h + 2 * h * kv + h * h + (h + 2 * kv + h if a.qkv_bias else 0)
+    h, q, kv = a.hidden_size, a.num_heads * a.head_dim, a.num_kv_heads * a.head_dim
+    attn = 2 * h * q + 2 * h * kv + (q + 2 * kv if a.qkv_bias else 0) + (h if a.wo_bias else 0)
+    attn += 2 * a.head_dim if a.qk_norm else 0
     ffn = 3 * h * a.ffn_width
     per_layer = attn + ffn + 2 * h
     embed = a.vocab_size * h
@@ -64,13 +78,14 @@ def analytic_parameter_count(a: ModelArgs) -> int:
 
 
 def flops_per_token(a: ModelArgs, seq_len: int) -> int:
-    """Model FLOPs per trained token: 6*N_nonembedding (lm_head included) + 12*L*h*s.
+    """Model FLOPs per trained token: 6*N_nonembedding (lm_head included) + 12*L*(heads*head_dim)*s.
 
     The PaLM convention, as the peer benchmark: the input embedding is a lookup and not counted,
-    attention scores and values count the full s*s square (not halved for causal), activation
-    recomputation is not counted (model FLOPs, not hardware FLOPs).
+    attention scores and values count the full s*s square (not halved for causal; s*w under a sliding window
+    of w keys), activation recomputation is not counted (model FLOPs, not hardware FLOPs).
     """
     n = analytic_parameter_count(a) - a.vocab_size * a.hidden_size
     if a.tie_word_embeddings:  # the shared matrix is still used as the lm_head matmul
         n += a.vocab_size * a.hidden_size
-    return 6 * n + 12 * a.num_layers * a.hidden_size * seq_len
+    keys = min(seq_len, a.sliding_window) if a.sliding_window else seq_len  # a query sees at most the window
+    return 6 * n + 12 * a.num_layers * a.num_heads * a.head_dim * keys

@@ -45,6 +45,9 @@ class PackedMeta:
     # CPU: per query block of `blocked_causal_attention`, bool [B, 1, rows, keys] True where a score is
     # masked out (another document or the future); None: no documents inside rows (plain causal)
     block_masks: Optional[list[torch.Tensor]] = None
+    # sliding-window attention (Mistral): a query sees at most `window` keys, itself included; the masks above
+    # already hold it, flash gets it as its window_size; None: the whole document
+    window: Optional[int] = None
     # context parallel (model/context): the rank holds a zigzag chunk of every row; attention goes through
     # context_attention with this layout (the fields above are unused); None: whole rows on this rank
     context: Optional[ContextMeta] = None
@@ -67,20 +70,27 @@ def cu_seqlens_from_document_ids(document_ids: torch.Tensor) -> torch.Tensor:
     return torch.cat([starts.nonzero().flatten(), end]).to(torch.int32)
 
 
-def _causal_document_mask(seg: torch.Tensor) -> torch.Tensor:
-    """bool [B, 1, T, T] from per-token document ids [B, T]: same document and not in the future."""
+def _causal_document_mask(seg: torch.Tensor, window: Optional[int] = None) -> torch.Tensor:
+    """bool [B, 1, T, T] from per-token document ids [B, T]: same document, not in the future (and, with a
+    sliding `window`, fewer than `window` positions back)."""
     T = seg.shape[1]
     same_doc = seg.unsqueeze(2) == seg.unsqueeze(1)
     causal = torch.ones(T, T, dtype=torch.bool, device=seg.device).tril()
+    if window is not None:
+        causal = causal.triu(1 - window)  # query i keeps keys i - window + 1 .. i (transformers' sliding window)
     return (same_doc & causal).unsqueeze(1)
 
 
-def block_document_masks(seg: torch.Tensor, block: Optional[int] = None) -> list[torch.Tensor]:
+def block_document_masks(seg: torch.Tensor, block: Optional[int] = None,
+                         window: Optional[int] = None) -> list[torch.Tensor]:
     """For `blocked_causal_attention` over packed rows: per query block [s, e), bool [B, 1, e - s, e], True
-    where query and key lie in different documents or the key is in the future. `seg` [B, T] document ids."""
+    where query and key lie in different documents, the key is in the future (or, with a sliding `window`,
+    `window` or more positions back). `seg` [B, T] document ids."""
     B, T = seg.shape
     block = block or CAUSAL_BLOCK
     future = _future_mask(T, seg.device)
+    if window is not None:
+        future = future | torch.ones(T, T, dtype=torch.bool, device=seg.device).tril(-window)
     masks = []
     for s in range(0, T, block):
         e = min(s + block, T)
@@ -89,18 +99,21 @@ def block_document_masks(seg: torch.Tensor, block: Optional[int] = None) -> list
     return masks
 
 
-def _layout_for_documents(seg: torch.Tensor, backend: str, device: torch.device
+def _layout_for_documents(seg: torch.Tensor, backend: str, device: torch.device, window: Optional[int] = None
                           ) -> tuple[Optional[torch.Tensor], Optional[list]]:
-    """(dense SDPA mask, blocked attention's block masks) for rows holding several documents; one is None."""
+    """(dense SDPA mask, blocked attention's block masks) for rows holding several documents (or under a sliding
+    window); one is None."""
     if backend == "cpu_blocked":
-        return None, block_document_masks(to_device(seg, device))
-    return _causal_document_mask(to_device(seg, device)), None
+        return None, block_document_masks(to_device(seg, device), window=window)
+    return _causal_document_mask(to_device(seg, device), window), None
 
 
 def build_packed_meta(cu_seqlens: Optional[torch.Tensor], batch: int, seqlen: int, backend: str,
                       device: torch.device, document_ids: Optional[torch.Tensor] = None,
-                      context: Optional[ContextGroup] = None) -> PackedMeta:
+                      window: Optional[int] = None, context: Optional[ContextGroup] = None) -> PackedMeta:
     """Turn cu_seqlens (or per-token document_ids) into what `backend` needs (outside compiled regions).
+    window: sliding-window attention (keys per query, itself included); None or >= seqlen: none. Under a window
+    rows of one document need a mask too (SDPA's and the blocked attention's fused causal paths have no window).
 
     The layout is read on the host: give host tensors (the trainer does) and the device never waits for the
     host; document ids on the device are copied to the host once (a synchronization).
@@ -110,21 +123,24 @@ def build_packed_meta(cu_seqlens: Optional[torch.Tensor], batch: int, seqlen: in
     if context is not None:
         if cu_seqlens is not None and document_ids is None:
             raise ValueError("under context parallel give document_ids of the rank's chunk [B, T/C], not cu_seqlens")
-        meta = build_context_meta(context, document_ids, batch, seqlen, device)
+        meta = build_context_meta(context, document_ids, batch, seqlen, device, window)
         return PackedMeta(None, seqlen * context.size, None, context=meta)
+    window = window if window is not None and window < seqlen else None
     if document_ids is not None:
         if tuple(document_ids.shape) != (batch, seqlen):
             raise ValueError(f"document_ids must have shape [{batch}, {seqlen}] (B, T), got {list(document_ids.shape)}")
         ids = document_ids.cpu()
         cu = cu_seqlens_from_document_ids(ids)
         if backend == "flash":
-            return PackedMeta(to_device(cu, device), int((cu[1:] - cu[:-1]).max()), None)
-        if len(cu) - 1 == batch:  # one document per row: the fused causal kernel, no mask
+            return PackedMeta(to_device(cu, device), int((cu[1:] - cu[:-1]).max()), None, window=window)
+        if len(cu) - 1 == batch and window is None:  # one document per row: the fused causal kernel, no mask
             return PackedMeta(None, seqlen, None)
-        mask, blocks = _layout_for_documents(ids, backend, device)
-        return PackedMeta(None, seqlen, mask, blocks)
+        mask, blocks = _layout_for_documents(ids, backend, device, window)
+        return PackedMeta(None, seqlen, mask, blocks, window)
     if cu_seqlens is None:
-        return PackedMeta(None, seqlen, None)
+        if window is None:
+            return PackedMeta(None, seqlen, None)
+        cu_seqlens = torch.arange(0, batch * seqlen + 1, seqlen, dtype=torch.int64)
     cu = cu_seqlens.to(device="cpu", dtype=torch.int64)
     total = batch * seqlen
     if cu[0].item() != 0 or cu[-1].item() != total or bool((cu[1:] <= cu[:-1]).any()):
@@ -135,11 +151,11 @@ def build_packed_meta(cu_seqlens: Optional[torch.Tensor], batch: int, seqlen: in
     lengths = cu[1:] - cu[:-1]
     max_seqlen = int(lengths.max().item())
     if backend == "flash":
-        return PackedMeta(to_device(cu.to(torch.int32), device), max_seqlen, None)
-    if len(cu) - 1 == batch:  # one document per row: the fused causal kernel, no mask
+        return PackedMeta(to_device(cu.to(torch.int32), device), max_seqlen, None, window=window)
+    if len(cu) - 1 == batch and window is None:  # one document per row: the fused causal kernel, no mask
         return PackedMeta(None, max_seqlen, None)
-    mask, blocks = _layout_for_documents(document_ids_from_cu_seqlens(cu, batch, seqlen), backend, device)
-    return PackedMeta(None, max_seqlen, mask, blocks)
+    mask, blocks = _layout_for_documents(document_ids_from_cu_seqlens(cu, batch, seqlen), backend, device, window)
+    return PackedMeta(None, max_seqlen, mask, blocks, window)
 
 
 # Query rows per block of `blocked_causal_attention`.
@@ -200,10 +216,13 @@ def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: Pac
     dtype = q.dtype
     if dtype not in (torch.float16, torch.bfloat16):
         q, k, v = q.to(torch.bfloat16), k.to(torch.bfloat16), v.to(torch.bfloat16)
+    # a sliding window of w keys is flash's left window w - 1 (the query itself is the w-th)
+    window = (meta.window - 1, 0) if meta.window is not None else (-1, -1)
     if meta.cu_seqlens is None:
-        return flash_attn_func(q, k, v, causal=True).to(dtype)
+        return flash_attn_func(q, k, v, causal=True, window_size=window).to(dtype)
     out = flash_attn_varlen_func(q.reshape(B * T, H, D), k.reshape(B * T, -1, D), v.reshape(B * T, -1, D),
-                                 meta.cu_seqlens, meta.cu_seqlens, meta.max_seqlen, meta.max_seqlen, causal=True)
+                                 meta.cu_seqlens, meta.cu_seqlens, meta.max_seqlen, meta.max_seqlen, causal=True,
+                                 window_size=window)
     return out.view(B, T, H, D).to(dtype)
 
 

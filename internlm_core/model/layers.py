@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from typing import Optional
+import math
+from typing import Any, Mapping, Optional
 
 import torch
 import torch.nn as nn
@@ -139,9 +140,60 @@ class Linear(nn.Linear):
         return linear(x, self.weight, self.bias)
 
 
-def rotary_tables(head_dim: int, max_seqlen: int, base: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos/sin [max_seqlen, head_dim] for rotate-half rotary embeddings."""
-    inv_freq = base ** (-torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim)
+ROPE_SCALINGS = ("linear", "dynamic", "llama3")
+
+
+def rope_scaling_kind(scaling: Optional[Mapping[str, Any]]) -> str:
+    """The kind of a `model.rope_scaling` dict: InternLM2's `type` or transformers' `rope_type` ("default": none)."""
+    if not scaling:
+        return "default"
+    return str(scaling.get("rope_type") or scaling.get("type") or "default")
+
+
+def scaled_inv_freq(head_dim: int, base: float, scaling: Mapping[str, Any], max_seqlen: int) -> torch.Tensor:
+    """The inverse frequencies under `scaling`, as transformers' ROPE_INIT_FUNCTIONS compute them (same formulas,
+    same order of operations):
+
+        linear   inv_freq / factor (positions stretched by factor)
+        dynamic  NTK: base * (factor * s / m - (factor - 1)) ** (d / (d - 2)), s = max(max_seqlen, m), m =
+                 original_max_position_embeddings (default max_seqlen: no change); HF computes it for the current
+                 length, here for the training length, so tables and HF agree on rows of max_seqlen tokens
+        llama3   Llama 3.1's: wavelengths above original / low_freq_factor divided by factor, below
+                 original / high_freq_factor kept, smoothly interpolated between
+    """
+    kind = rope_scaling_kind(scaling)
+    factor = float(scaling["factor"])
+    arange = torch.arange(0, head_dim, 2, dtype=torch.int64).to(torch.float32)
+    if kind == "dynamic":
+        original = int(scaling.get("original_max_position_embeddings") or max_seqlen)
+        s = max(max_seqlen, original)
+        base = base * ((factor * s / original) - (factor - 1)) ** (head_dim / (head_dim - 2))
+    inv_freq = 1.0 / (base ** (arange / head_dim))
+    if kind == "linear":
+        return inv_freq / factor
+    if kind == "dynamic":
+        return inv_freq
+    if kind != "llama3":
+        raise ValueError(f"model.rope_scaling: expected a type of {', '.join(ROPE_SCALINGS)}, got {kind!r}")
+    low, high = float(scaling["low_freq_factor"]), float(scaling["high_freq_factor"])
+    old = float(scaling["original_max_position_embeddings"])
+    low_wavelen, high_wavelen = old / low, old / high
+    wavelen = 2 * math.pi / inv_freq
+    llama = torch.where(wavelen > low_wavelen, inv_freq / factor, inv_freq)
+    smooth = (old / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * llama / factor + smooth * llama
+    medium = ~(wavelen < high_wavelen) * ~(wavelen > low_wavelen)
+    return torch.where(medium, smoothed, llama)
+
+
+def rotary_tables(head_dim: int, max_seqlen: int, base: float, scaling: Optional[Mapping[str, Any]] = None
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos/sin [max_seqlen, head_dim] for rotate-half rotary embeddings, frequencies scaled by `scaling`
+    (`model.rope_scaling`, see scaled_inv_freq; None: the original rotary embedding)."""
+    if rope_scaling_kind(scaling) == "default":
+        inv_freq = base ** (-torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim)
+    else:
+        inv_freq = scaled_inv_freq(head_dim, base, scaling, max_seqlen)  # type: ignore[arg-type]
     freqs = torch.outer(torch.arange(max_seqlen, dtype=torch.float32), inv_freq)
     freqs = torch.cat((freqs, freqs), dim=-1)
     return freqs.cos(), freqs.sin()

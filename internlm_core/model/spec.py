@@ -166,7 +166,9 @@ class StateDictAdapter:
     layer numbers). A tied output is produced from, and restored to, the embedding.
     foreign_config(inputs: ModelInputs, dtype_name, special_ids) -> the foreign config (HF config.json, InternLM's
     model_config.pt) of our model (`Config.model_inputs()`); config_from_foreign(foreign_config) -> our `model` keys (CheckpointError
-    for what the family cannot represent). architectures: the HF classes this adapter reads and writes.
+    for what the family cannot represent). architectures: the HF classes this adapter reads and writes;
+    hf_model_types: config.json's `model_type` of each (the same order), which names the class of a folder whose
+    config.json lacks `architectures`.
     """
 
     format: str
@@ -175,6 +177,7 @@ class StateDictAdapter:
     foreign_config: Optional[Callable[..., dict]] = None
     config_from_foreign: Optional[Callable[[dict], dict]] = None
     architectures: tuple[str, ...] = ()
+    hf_model_types: tuple[str, ...] = ()
     description: str = ""
 
 
@@ -191,13 +194,14 @@ class TrainingHooks:
         just before its backward (losses a family adds inside the model scale theirs the same way);
     after_step(model, dp_group): after each optimizer step that was taken, outside autograd; dp_group: the
         data-parallel process group (None for one process), for what must agree across the data-parallel ranks;
-    step_metrics(model) -> {name: value}: the family's metrics of the step just taken (metrics.jsonl,
-        TensorBoard, console), e.g. "moe/layer0/max_load" (names without a leading "/").
+    step_metrics(model, dp_group) -> {name: value}: the family's metrics of the step just taken (metrics.jsonl,
+        TensorBoard, console), e.g. "moe/layer0/max_load" (names without a leading "/"); called on every rank
+        (dp_group as for after_step: a family may sum over it).
     """
 
     before_backward: Callable[[nn.Module, float], None] = _no_op
     after_step: Callable[[nn.Module, Any], None] = _no_op
-    step_metrics: Callable[[nn.Module], dict] = lambda model: {}
+    step_metrics: Callable[[nn.Module, Any], dict] = lambda model, dp_group: {}
 
 
 @dataclass(frozen=True)

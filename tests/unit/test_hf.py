@@ -232,9 +232,12 @@ def test_config_from_hf_refuses_what_we_do_not_implement(tmp_path):
     write_hf_llama(tmp_path)
     c = json.loads((tmp_path / "config.json").read_text())
     for change, message in [
-        ({"rope_parameters": {"rope_type": "llama3", "rope_theta": 5e5, "factor": 8.0}}, "rope scaling"),
+        ({"rope_parameters": {"rope_type": "yarn", "rope_theta": 5e5, "factor": 8.0}},
+         "rope scaling 'yarn' .* is not implemented"),
+        ({"rope_parameters": {"rope_type": "llama3", "rope_theta": 5e5, "factor": 8.0}},
+         "llama3 rope scaling without low_freq_factor, high_freq_factor"),
         ({"mlp_bias": True}, "mlp_bias=true"),
-        ({"head_dim": 32}, "head_dim 32 \\* num_attention_heads 6 != hidden_size 96"),
+        ({"hidden_act": "gelu"}, "hidden_act 'gelu'"),
         ({"model_type": "mistral"}, "model_type 'mistral' \\(LlamaForCausalLM\\); internlm-core reads"),
     ]:
         (tmp_path / "config.json").write_text(json.dumps({**c, **change}))

@@ -33,11 +33,14 @@ def block(a: ModelArgs) -> Parameters:
     InternLM v1's biases. The norm scales and o's bias are the same on every tensor-parallel rank but counted as
     split, as all of a block's parameters (a few h per block)."""
     h, kv, f = a.hidden_size, a.num_kv_heads * a.head_dim, a.ffn_width
-    linears = (Linear("attention.wq", h, h, TP), Linear("attention.wk", kv, h, TP),
-               Linear("attention.wv", kv, h, TP), Linear("attention.wo", h, h, TP, split="in"),
+    q = a.num_heads * a.head_dim  # h unless model.head_dim says otherwise
+    linears = (Linear("attention.wq", q, h, TP), Linear("attention.wk", kv, h, TP),
+               Linear("attention.wv", kv, h, TP), Linear("attention.wo", h, q, TP, split="in"),
                Linear("feed_forward.w1", f, h, TP), Linear("feed_forward.w2", f, h, TP),
                Linear("feed_forward.w3", h, f, TP, split="in"))
-    others = (Term("norms", 2 * h, TP),) + ((Term("attention biases", 2 * h + 2 * kv, TP),) if a.qkv_bias else ())
+    biases = (q + 2 * kv if a.qkv_bias else 0) + (h if a.wo_bias else 0)
+    others = (Term("norms", 2 * h, TP),) + ((Term("attention biases", biases, TP),) if biases else ()) \
+        + ((Term("q/k norms", 2 * a.head_dim),) if a.qk_norm else ())  # replicated on every tensor rank
     return Parameters(linears, others)
 
 
@@ -52,12 +55,19 @@ def head(a: ModelArgs) -> Parameters:
 
 
 def block_flops_per_token(a: ModelArgs, seq_len: int) -> float:
-    """2 per weight (multiply-add) and 4 * h * s for the attention scores and values."""
-    return 2 * sum(w.elements for w in block(a).linears) + 4 * a.hidden_size * seq_len
+    """2 per weight (multiply-add) and the attention scores and values (attention_flops_per_token)."""
+    return 2 * sum(w.elements for w in block(a).linears) + attention_flops_per_token(a, seq_len)
+
+
+def attention_flops_per_token(a: ModelArgs, seq_len: int) -> float:
+    """4 * heads * head_dim * s: the scores and values of a query over s keys (at most the sliding window's)."""
+    keys = min(seq_len, a.sliding_window) if a.sliding_window else seq_len
+    return 4 * a.num_heads * a.head_dim * keys
 
 
 def block_activations(a: ModelArgs, c: ActivationContext) -> list[Term]:
     h, kv, f, H = a.hidden_size, a.num_kv_heads * a.head_dim, a.ffn_width, a.num_heads
+    q = H * a.head_dim
     comp = c.compute_bytes
     if c.attention == "cpu_blocked":
         probs = Term("attention probabilities", (4 + (2 if comp == 2 else 0)) * H * keys_per_query(c.seq_len), TP)
@@ -65,11 +75,15 @@ def block_activations(a: ModelArgs, c: ActivationContext) -> list[Term]:
         probs = Term("log-sum-exp", 4 * H, TP)
     terms = [Term("norms", 2 * (c.norm_tensors * c.residual_bytes * h + 8), SP),
              Term("linear inputs", (5 if c.autocast else 2) * comp * h, SP),
-             Term("q, k, v, attention output", comp * (2 * h + 2 * kv), TP),
+             Term("q, k, v, attention output", comp * (2 * q + 2 * kv), TP),
              probs,
              Term("SwiGLU", 4 * comp * f, TP)]
     if c.attention == "sdpa" and c.packed_documents:
         terms.append(Term("document mask", comp * c.seq_len))
+        if c.repeat_kv and kv < q:  # k and v repeated to every query head, kept for backward (~7% for 7B GQA)
+            terms.append(Term("k, v repeated to the query heads", 2 * comp * (q - kv), TP))
+    if a.qk_norm:  # the norms' inputs and their fp32 rstd, per head
+        terms.append(Term("q/k norms", c.norm_tensors * comp * (q + kv) + 8 * (H + a.num_kv_heads), TP))
     return terms
 
 

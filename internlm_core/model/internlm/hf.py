@@ -23,6 +23,7 @@ import torch
 
 from ...errors import CheckpointError
 from ..args import ffn_width
+from ..layers import rope_scaling_kind
 from ..spec import AdapterContext, StateDictAdapter
 
 _LAYER_MAP = (
@@ -35,6 +36,8 @@ _LAYER_MAP = (
     ("feed_forward.w3", "mlp.down_proj"),
     ("attention_norm", "input_layernorm"),
     ("ffn_norm", "post_attention_layernorm"),
+    ("attention.q_norm", "self_attn.q_norm"),  # model.qk_norm (Qwen3's names)
+    ("attention.k_norm", "self_attn.k_norm"),
 )
 _TOP_MAP = (
     ("tok_embeddings.weight", "model.embed_tokens.weight"),
@@ -96,6 +99,56 @@ def llama_from_hf(hf: Mapping[str, torch.Tensor], ctx: AdapterContext) -> dict[s
 
 # ---- config.json ---------------------------------------------------------------------------------------------
 
+_ROPE_EXTRA = {"linear": ("factor",), "dynamic": ("factor",),
+               "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")}
+
+
+def rope_config(m: Any, seq_len: int) -> dict:
+    """config.json's rotary keys of `model` (rope_base, rope_scaling): rope_theta, transformers 5's
+    rope_parameters, transformers 4's rope_scaling, and max_position_embeddings (dynamic NTK scales beyond it, so
+    it is the original length there; the training length otherwise)."""
+    kind = rope_scaling_kind(getattr(m, "rope_scaling", None))
+    extra = {k: m.rope_scaling[k] for k in _ROPE_EXTRA.get(kind, ())}
+    length = seq_len
+    if kind == "dynamic":
+        length = int(m.rope_scaling.get("original_max_position_embeddings") or seq_len)
+    return {"rope_theta": float(m.rope_base), "max_position_embeddings": length,
+            "rope_parameters": {"rope_type": kind, "rope_theta": float(m.rope_base), **extra},
+            "rope_scaling": {"rope_type": kind, **extra} if kind != "default" else None}
+
+
+def rope_from_config(c: Mapping, where: str) -> dict:
+    """Our rope_base and rope_scaling from a config.json (transformers 5's rope_parameters or 4's rope_scaling and
+    rope_theta); kinds the rotary tables do not compute are a CheckpointError."""
+    params = dict(c.get("rope_scaling") or c.get("rope_parameters") or {})
+    base = float(params.get("rope_theta", c.get("rope_theta", 10000.0)))
+    kind = str(params.get("rope_type") or params.get("type") or "default")
+    if kind == "default":
+        return {"rope_base": base, "rope_scaling": None}
+    if kind not in _ROPE_EXTRA:
+        raise CheckpointError(f"{where}: rope scaling {kind!r} ({params}) is not implemented by internlm-core's "
+                              f"rotary embedding (linear, dynamic and llama3 are)")
+    if kind == "llama3" and "original_max_position_embeddings" not in params:
+        params["original_max_position_embeddings"] = c.get("max_position_embeddings")
+    missing = [k for k in _ROPE_EXTRA[kind] if params.get(k) is None]
+    if missing:
+        raise CheckpointError(f"{where}: {kind} rope scaling without {', '.join(missing)}")
+    scaling = {("rope_type" if kind == "llama3" else "type"): kind, **{k: params[k] for k in _ROPE_EXTRA[kind]}}
+    if kind == "dynamic":  # transformers scales beyond max_position_embeddings
+        scaling["original_max_position_embeddings"] = int(_get(c, "max_position_embeddings", where))
+    return {"rope_base": base, "rope_scaling": scaling}
+
+
+def refuse_options(m: Any, hf_class: str, allowed: tuple[str, ...] = ()) -> None:
+    """CheckpointError for the shared block's options `hf_class` cannot hold (all but `allowed` of qk_norm,
+    sliding_window)."""
+    for key in ("qk_norm", "sliding_window"):
+        if key not in allowed and getattr(m, key, None):
+            raise CheckpointError(f"model.{key}={getattr(m, key)!r}: {hf_class} has no such option; export a "
+                                  f"family whose Hugging Face class has it (QWEN3 for qk_norm, MISTRAL for "
+                                  f"sliding_window)")
+
+
 def _common_config(cfg: Any, torch_dtype: str, special_ids: Optional[Mapping[str, Optional[int]]]) -> dict:
     m = cfg.model
     if m.apply_post_layer_norm:
@@ -108,8 +161,7 @@ def _common_config(cfg: Any, torch_dtype: str, special_ids: Optional[Mapping[str
         "vocab_size": m.vocab_size, "hidden_size": m.hidden_size, "intermediate_size": ffn_width(m),
         "num_hidden_layers": m.num_layers, "num_attention_heads": m.num_attention_heads,
         "num_key_value_heads": m.num_kv_attention_heads or m.num_attention_heads, "hidden_act": "silu",
-        "max_position_embeddings": cfg.seq_len, "initializer_range": m.init_std,
-        "rms_norm_eps": m.layer_norm_epsilon, "rope_theta": float(m.rope_base),
+        "initializer_range": m.init_std, "rms_norm_eps": m.layer_norm_epsilon, **rope_config(m, cfg.seq_len),
         "tie_word_embeddings": bool(m.tie_word_embeddings), "bos_token_id": ids.get("bos_token_id"),
         "eos_token_id": ids.get("eos_token_id"), "pad_token_id": ids.get("pad_token_id"), "use_cache": True,
         "torch_dtype": torch_dtype,
@@ -120,18 +172,27 @@ def llama_config(cfg: Any, torch_dtype: str = "float32",
                  special_ids: Optional[Mapping[str, Optional[int]]] = None) -> dict:
     """The `config.json` of a `LlamaForCausalLM` equivalent to `cfg` (our Config); rope_theta is written at the top
     level (transformers 4.x, vLLM) and in `rope_parameters` (transformers 5)."""
+    refuse_options(cfg.model, "LlamaForCausalLM")
     c = _common_config(cfg, torch_dtype, special_ids)
-    head_dim = cfg.model.hidden_size // cfg.model.num_attention_heads
-    return {"architectures": ["LlamaForCausalLM"], "model_type": "llama", **c, "head_dim": head_dim,
-            "rope_parameters": {"rope_type": "default", "rope_theta": float(cfg.model.rope_base)},
+    return {"architectures": ["LlamaForCausalLM"], "model_type": "llama", **c, "head_dim": head_dim(cfg.model),
             "attention_bias": bool(cfg.model.qkv_bias), "attention_dropout": 0.0, "mlp_bias": False,
             "pretraining_tp": 1}
+
+
+def head_dim(m: Any) -> int:
+    """Channels per head of `model` (model.head_dim, default hidden_size / num_attention_heads)."""
+    return int(getattr(m, "head_dim", None) or m.hidden_size // m.num_attention_heads)
 
 
 def internlm_config(cfg: Any, torch_dtype: str = "float32",
                     special_ids: Optional[Mapping[str, Optional[int]]] = None) -> dict:
     """The `config.json` of an `InternLMForCausalLM` (InternLM v1's remote code, model_type "internlm")."""
+    refuse_options(cfg.model, "InternLMForCausalLM")
+    if rope_scaling_kind(cfg.model.rope_scaling) != "default":
+        raise CheckpointError(f"model.rope_scaling={cfg.model.rope_scaling}: InternLMForCausalLM's config holds no "
+                              "rope scaling internlm-core computes; export it as Llama (--hf-arch llama)")
     c = _common_config(cfg, torch_dtype, special_ids)
+    del c["rope_parameters"]  # transformers' key; InternLM's remote code reads `rotary`
     if c["num_key_value_heads"] != c["num_attention_heads"]:
         raise CheckpointError("InternLMForCausalLM has no grouped-query attention; export this model as Llama "
                               "(--hf-arch llama) or InternLM2")
@@ -155,11 +216,9 @@ def _shape_keys(c: Mapping, where: str) -> dict:
     hidden, heads = int(_get(c, "hidden_size", where)), int(_get(c, "num_attention_heads", where))
     if c.get("hidden_act", "silu") != "silu":
         raise CheckpointError(f"{where}: hidden_act {c.get('hidden_act')!r}; internlm-core's FFN is SwiGLU (silu)")
-    head_dim = c.get("head_dim")
-    if head_dim is not None and int(head_dim) * heads != hidden:
-        raise CheckpointError(f"{where}: head_dim {head_dim} * num_attention_heads {heads} != hidden_size "
-                              f"{hidden}; internlm-core derives head_dim as hidden_size / num_attention_heads")
-    return {
+    dim = c.get("head_dim")
+    out = {"head_dim": int(dim)} if dim is not None and int(dim) * heads != hidden else {}  # Qwen3's 128 at any width
+    return {**out,
         "num_layers": int(_get(c, "num_hidden_layers", where)), "hidden_size": hidden,
         "num_attention_heads": heads, "num_kv_attention_heads": int(c.get("num_key_value_heads") or heads),
         "vocab_size": int(_get(c, "vocab_size", where)), "intermediate_size": int(_get(c, "intermediate_size", where)),
@@ -181,13 +240,11 @@ def check_rope(scaling: Any, where: str, dynamic_ok: bool) -> None:
 
 
 def config_from_llama(c: Mapping, where: str = "config.json") -> dict:
-    """The `model` keys of a Llama config.json (rope scaling, MLP bias, another head_dim or activation refused)."""
+    """The `model` keys of a Llama config.json (rope scaling other than linear / dynamic / llama3, an MLP bias or
+    another activation refused)."""
     out = _shape_keys(c, where)
     out["qkv_bias"] = bool(c.get("attention_bias", False))
-    rope = c.get("rope_parameters") or {}
-    check_rope(c.get("rope_scaling") or (rope if rope.get("rope_type", "default") != "default" else None), where,
-               dynamic_ok=False)
-    out["rope_base"] = float(rope.get("rope_theta", c.get("rope_theta", 10000.0)))
+    out.update(rope_from_config(c, where))
     if c.get("mlp_bias"):
         raise CheckpointError(f"{where}: mlp_bias=true; internlm-core's feed-forward has no bias")
     return out
@@ -206,8 +263,9 @@ def config_from_internlm(c: Mapping, where: str = "config.json") -> dict:
 
 LLAMA_HF = StateDictAdapter(format="hf", to_foreign=llama_to_hf, from_foreign=llama_from_hf,
                             foreign_config=llama_config, config_from_foreign=config_from_llama,
-                            architectures=("LlamaForCausalLM",), description="Hugging Face LlamaForCausalLM")
+                            architectures=("LlamaForCausalLM",), hf_model_types=("llama",),
+                            description="Hugging Face LlamaForCausalLM")
 INTERNLM_HF = StateDictAdapter(format="hf", to_foreign=llama_to_hf, from_foreign=llama_from_hf,
                                foreign_config=internlm_config, config_from_foreign=config_from_internlm,
-                               architectures=("InternLMForCausalLM",),
+                               architectures=("InternLMForCausalLM",), hf_model_types=("internlm",),
                                description="Hugging Face InternLMForCausalLM (InternLM v1, remote code)")

@@ -2,6 +2,8 @@
 
 INTERNLM (v1): RMSNorm, rotary, SwiGLU FFN (width from mlp_ratio), bias on q/k/v/o.
 INTERNLM2 / LLAMA: the same block with grouped-query attention and no bias.
+Options other families turn on (ModelArgs): q/k norm (QWEN3), bias on q/k/v only (QWEN2), a sliding window
+(MISTRAL), scaled rotary frequencies (LLAMA3), a head_dim other than hidden_size / heads (QWEN3).
 
 Parameter names are stable across every parallel layout (`layers` is a ModuleDict keyed "0", "1", ...
 so that pipeline stages keep the names of the layers they own); checkpoints and the state-dict adapters
@@ -30,7 +32,10 @@ class Attention(nn.Module):
         self.wq = Linear(a.hidden_size, a.num_heads * a.head_dim, bias=a.qkv_bias)
         self.wk = Linear(a.hidden_size, a.num_kv_heads * a.head_dim, bias=a.qkv_bias)
         self.wv = Linear(a.hidden_size, a.num_kv_heads * a.head_dim, bias=a.qkv_bias)
-        self.wo = Linear(a.num_heads * a.head_dim, a.hidden_size, bias=a.qkv_bias)
+        self.wo = Linear(a.num_heads * a.head_dim, a.hidden_size, bias=a.wo_bias)
+        # Qwen3's q/k norm: one RMSNorm over head_dim shared by every head (the same weights on every tensor rank)
+        self.q_norm = RMSNorm(a.head_dim, a.norm_eps, a.use_fp32_norm) if a.qk_norm else None
+        self.k_norm = RMSNorm(a.head_dim, a.norm_eps, a.use_fp32_norm) if a.qk_norm else None
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: PackedMeta) -> torch.Tensor:
         B, T, _ = x.shape
@@ -38,6 +43,8 @@ class Attention(nn.Module):
         q = self.wq(x).view(B, T, -1, self.head_dim)
         k = self.wk(x).view(B, T, -1, self.head_dim)
         v = self.wv(x).view(B, T, -1, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         out = attention(q, k, v, meta, self.backend)
         return self.wo(out.reshape(B, T, -1))
@@ -78,7 +85,7 @@ class Rotary(nn.Module):
 
     def __init__(self, a: ModelArgs):
         super().__init__()
-        self.shape = (a.head_dim, a.max_seqlen, a.rope_base)
+        self.shape = (a.head_dim, a.max_seqlen, a.rope_base, a.rope_scaling)
         cos, sin = rotary_tables(*self.shape)  # on the meta device under a meta build: no values yet
         self.register_buffer("cos", cos, persistent=False)
         self.register_buffer("sin", sin, persistent=False)
@@ -155,7 +162,7 @@ class Transformer(nn.Module):
         cos = self.rope.cos[position_ids].unsqueeze(2)
         sin = self.rope.sin[position_ids].unsqueeze(2)
         meta = build_packed_meta(cu_seqlens, B, T, self.args.attn_backend, h.device, document_ids,
-                                 context=self.context)
+                                 window=self.args.sliding_window, context=self.context)
         for layer in self.layers.values():
             h = layer(h, cos, sin, meta)
         if self.norm is not None:

@@ -2,22 +2,29 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Mapping
 
 from ...errors import ConfigError
 from ..args import ffn_width
+from ..layers import ROPE_SCALINGS, rope_scaling_kind
 from ..spec import ModelInputs
 
 
 def validate_transformer(inputs: ModelInputs, grouped_query: bool) -> None:
     """Shape rules of the transformer (heads, rotary, norms) and of its tensor/pipeline parallel plan."""
     m, p = inputs.model, inputs.parallel
-    if m.hidden_size % m.num_attention_heads:
+    head_dim = getattr(m, "head_dim", None)
+    if head_dim is None and m.hidden_size % m.num_attention_heads:
         raise ConfigError(f"model.num_attention_heads ({m.num_attention_heads}) must divide model.hidden_size "
-                          f"({m.hidden_size}): each head gets hidden_size / num_attention_heads channels")
-    if (m.hidden_size // m.num_attention_heads) % 2:
+                          f"({m.hidden_size}): each head gets hidden_size / num_attention_heads channels "
+                          "(or set model.head_dim)")
+    if head_dim is not None and (not isinstance(head_dim, int) or head_dim < 2 or head_dim % 2):
+        raise ConfigError(f"model.head_dim: expected an even int >= 2 (rotary embeddings rotate pairs), got "
+                          f"{head_dim!r}")
+    if (m.hidden_size // m.num_attention_heads) % 2 and head_dim is None:
         raise ConfigError(f"model.hidden_size / model.num_attention_heads = {m.hidden_size // m.num_attention_heads} "
                           f"must be even for rotary embeddings")
+    validate_block_options(inputs)
     if m.num_kv_attention_heads < 1 or m.num_attention_heads % m.num_kv_attention_heads:
         raise ConfigError(f"model.num_kv_attention_heads ({m.num_kv_attention_heads}) must divide "
                           f"model.num_attention_heads ({m.num_attention_heads}) for grouped-query attention")
@@ -46,3 +53,45 @@ def bias_default(value: bool) -> Any:
         if m.qkv_bias is None:
             m.qkv_bias = value
     return fill
+
+
+_ROPE_KEYS = {"linear": ("factor",), "dynamic": ("factor",),
+              "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")}
+
+
+def validate_rope_scaling(scaling: Any) -> None:
+    """model.rope_scaling: None or a dict of a kind the rotary tables compute, with its numbers."""
+    if scaling is None:
+        return
+    if not isinstance(scaling, Mapping):
+        raise ConfigError(f"model.rope_scaling: expected None or a dict such as dict(type='linear', factor=2.0), "
+                          f"got {scaling!r}")
+    kind = rope_scaling_kind(scaling)
+    if kind == "default":
+        return
+    if kind not in _ROPE_KEYS:
+        raise ConfigError(f"model.rope_scaling: type {kind!r} is not implemented; expected one of "
+                          f"{', '.join(ROPE_SCALINGS)} (or None)")
+    for key in _ROPE_KEYS[kind] + (("original_max_position_embeddings",) if kind == "dynamic" else ()):
+        value = scaling.get(key)
+        if value is None and kind == "dynamic" and key != "factor":
+            continue  # dynamic NTK without an original length: none beyond the training length
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
+            raise ConfigError(f"model.rope_scaling: {kind} scaling needs {key} > 0, got {value!r}")
+    if kind == "llama3" and scaling["high_freq_factor"] <= scaling["low_freq_factor"]:
+        raise ConfigError(f"model.rope_scaling: llama3 scaling needs high_freq_factor > low_freq_factor, got "
+                          f"{scaling['high_freq_factor']} and {scaling['low_freq_factor']}")
+
+
+def validate_block_options(inputs: ModelInputs) -> None:
+    """The shared block's options (model.rope_scaling, model.sliding_window, model.qk_norm)."""
+    m = inputs.model
+    validate_rope_scaling(getattr(m, "rope_scaling", None))
+    window = getattr(m, "sliding_window", None)
+    if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
+        raise ConfigError(f"model.sliding_window: expected None or an int >= 1 (keys per query), got {window!r}")
+    if window is not None and int(getattr(inputs.parallel, "context", 1) or 1) > 1:
+        raise ConfigError("model.sliding_window: not supported with context parallel (parallel.context > 1): "
+                          "the context-parallel attention has no window")
+    if not isinstance(getattr(m, "qk_norm", None), (bool, type(None))):
+        raise ConfigError(f"model.qk_norm: expected True or False, got {m.qk_norm!r}")

@@ -26,7 +26,8 @@ from typing import Any, Mapping, Optional
 import torch
 
 from ...errors import CheckpointError
-from ..internlm.hf import _common_config, _shape_keys, check_rope
+from ..internlm.hf import _common_config, _shape_keys, refuse_options, rope_from_config
+from ..layers import rope_scaling_kind
 from ..spec import AdapterContext, StateDictAdapter
 
 _FFN = {"feed_forward.w1": "feed_forward.w1", "feed_forward.w2": "feed_forward.w3",
@@ -143,25 +144,31 @@ def internlm2_from_hf(hf: Mapping[str, torch.Tensor], ctx: AdapterContext) -> di
 def internlm2_config(cfg: Any, torch_dtype: str = "float32",
                      special_ids: Optional[Mapping[str, Optional[int]]] = None) -> dict:
     """The `config.json` of an `InternLM2ForCausalLM` (InternLM2's remote code, model_type "internlm2")."""
+    refuse_options(cfg.model, "InternLM2ForCausalLM")
+    kind = rope_scaling_kind(cfg.model.rope_scaling)
+    if kind not in ("default", "linear", "dynamic"):
+        raise CheckpointError(f"model.rope_scaling={cfg.model.rope_scaling}: InternLM2ForCausalLM scales its rotary "
+                              "embedding linearly or by dynamic NTK only")
     c = _common_config(cfg, torch_dtype, special_ids)
+    del c["rope_parameters"]  # transformers' key; InternLM2's remote code reads rope_scaling = {type, factor}
+    scaling = {"type": kind, "factor": cfg.model.rope_scaling["factor"]} if kind != "default" else None
     return {"architectures": ["InternLM2ForCausalLM"], "model_type": "internlm2",
             "auto_map": {"AutoConfig": "configuration_internlm2.InternLM2Config",
                          "AutoModel": "modeling_internlm2.InternLM2ForCausalLM",
                          "AutoModelForCausalLM": "modeling_internlm2.InternLM2ForCausalLM"},
-            **c, "bias": bool(cfg.model.qkv_bias), "rope_scaling": None, "attn_implementation": "eager"}
+            **c, "bias": bool(cfg.model.qkv_bias), "rope_scaling": scaling, "attn_implementation": "eager"}
 
 
 def config_from_internlm2(c: Mapping, where: str = "config.json") -> dict:
     out = _shape_keys(c, where)
     out["qkv_bias"] = bool(c.get("bias", False))
-    check_rope(c.get("rope_scaling"), where, dynamic_ok=True)
-    out["rope_base"] = float(c.get("rope_theta", 10000.0))
+    out.update(rope_from_config(c, where))  # InternLM2's {type: linear | dynamic, factor}
     return out
 
 
 INTERNLM2_HF = StateDictAdapter(format="hf", to_foreign=internlm2_to_hf, from_foreign=internlm2_from_hf,
                                 foreign_config=internlm2_config, config_from_foreign=config_from_internlm2,
-                                architectures=("InternLM2ForCausalLM",),
+                                architectures=("InternLM2ForCausalLM",), hf_model_types=("internlm2",),
                                 description="Hugging Face InternLM2ForCausalLM (remote code)")
 
 

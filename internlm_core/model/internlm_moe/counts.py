@@ -57,10 +57,10 @@ def active_parameters(a: Any) -> int:
 
 
 def block_flops_per_token(a: Any, seq_len: int) -> float:
-    """2 per weight a token multiplies (k experts of E) and the attention's 4 * h * s."""
+    """2 per weight a token multiplies (k experts of E) and the attention's 4 * heads * head_dim * s."""
     m = a.moe
     weights = sum(w.elements for w in block(a).linears if not w.name.startswith("feed_forward.experts."))
-    return 2 * (weights + 3 * m.top_k * m.ffn_width * a.hidden_size) + 4 * a.hidden_size * seq_len
+    return 2 * (weights + 3 * m.top_k * m.ffn_width * a.hidden_size) + dense.attention_flops_per_token(a, seq_len)
 
 
 def block_activations(a: Any, c: ActivationContext) -> list[Term]:

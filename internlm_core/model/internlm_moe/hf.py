@@ -20,7 +20,7 @@ from typing import Any, Mapping, Optional
 import torch
 
 from ...errors import CheckpointError
-from ..internlm.hf import _common_config, config_from_llama, llama_from_hf, llama_to_hf
+from ..internlm.hf import _common_config, config_from_llama, llama_from_hf, llama_to_hf, refuse_options
 from ..spec import AdapterContext, StateDictAdapter
 
 _OURS_MOE = re.compile(r"^layers\.(\d+)\.feed_forward\.(gate\.weight|gate\.expert_bias|experts\.w[123])$")
@@ -84,21 +84,21 @@ def mixtral_config(cfg: Any, torch_dtype: str = "float32",
     if m.moe_use_residual or r.expert_bias_update_rate:
         raise CheckpointError("model.moe_use_residual / moe.expert_bias_update_rate: MixtralForCausalLM has no "
                               "shared experts or expert bias")
+    refuse_options(m, "MixtralForCausalLM", allowed=("sliding_window",))
     c = _common_config(cfg, torch_dtype, special_ids)
     c["intermediate_size"] = m.moe_intermediate_size or c["intermediate_size"]
     return {"architectures": ["MixtralForCausalLM"], "model_type": "mixtral", **c,
             "head_dim": m.hidden_size // m.num_attention_heads, "num_local_experts": m.num_experts,
             "num_experts_per_tok": r.top_k, "router_aux_loss_coef": cfg.moe_loss_coeff,
-            "output_router_logits": False, "router_jitter_noise": 0.0, "sliding_window": None,
-            "attention_dropout": 0.0, "rope_parameters": {"rope_type": "default", "rope_theta": float(m.rope_base)}}
+            "output_router_logits": False, "router_jitter_noise": 0.0, "sliding_window": m.sliding_window,
+            "attention_dropout": 0.0}
 
 
 def config_from_mixtral(c: Mapping, where: str = "config.json") -> dict:
     """Our `model` keys of a Mixtral config.json (top_k as InternEvo spells it in `model`: moe.top_k)."""
-    if c.get("sliding_window"):
-        raise CheckpointError(f"{where}: sliding_window={c['sliding_window']}: sliding-window attention is not "
-                              "implemented")
     out = config_from_llama({**c, "attention_bias": False}, where)
+    if c.get("sliding_window"):
+        out["sliding_window"] = int(c["sliding_window"])
     out.update(num_experts=int(c.get("num_local_experts", 8)), top_k=int(c.get("num_experts_per_tok", 2)),
                moe_type="Dropless")
     return out
@@ -106,4 +106,5 @@ def config_from_mixtral(c: Mapping, where: str = "config.json") -> dict:
 
 MIXTRAL_HF = StateDictAdapter(format="hf", to_foreign=mixtral_to_hf, from_foreign=mixtral_from_hf,
                               foreign_config=mixtral_config, config_from_foreign=config_from_mixtral,
-                              architectures=("MixtralForCausalLM",), description="Hugging Face MixtralForCausalLM")
+                              architectures=("MixtralForCausalLM",), hf_model_types=("mixtral",),
+                              description="Hugging Face MixtralForCausalLM")

@@ -1,0 +1,124 @@
+"""Qwen3-MoE's Hugging Face form, `Qwen3MoeForCausalLM`: Qwen3's attention (q/k norms, head_dim 128, Llama's
+names: qwen3/hf.py) and Qwen's names for the router and the experts.
+
+    layers.{i}.feed_forward.gate.weight [E, h]        model.layers.{i}.mlp.gate.weight
+    layers.{i}.feed_forward.experts.w1 [E, ffn, h]    model.layers.{i}.mlp.experts.{j}.gate_proj.weight
+    layers.{i}.feed_forward.experts.w3 [E, ffn, h]    ... experts.{j}.up_proj.weight
+    layers.{i}.feed_forward.experts.w2 [E, h, ffn]    ... experts.{j}.down_proj.weight
+
+The per-expert form is what `save_pretrained` writes and the Hub holds; transformers 5 fuses the experts in memory
+(`mlp.experts.gate_up_proj` [E, 2 ffn, h] = [gate; up], `mlp.experts.down_proj` [E, h, ffn]), which is read too.
+Routing: softmax scores in fp32, top k, renormalized when `norm_topk_prob` (our moe.norm_topk_prob), every token
+kept (moe_type Dropless). Every layer is sparse here: decoder_sparse_step 1, no mlp_only_layers (other values make
+some layers dense, which the MoE families do not build, and are refused).
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any, Mapping, Optional
+
+import torch
+
+from ...errors import CheckpointError
+from ..args import ffn_width
+from ..internlm.hf import _common_config, head_dim, llama_from_hf, llama_to_hf, refuse_options
+from ..qwen2.hf import window_config
+from ..qwen3.hf import config_from_qwen3
+from ..spec import AdapterContext, StateDictAdapter
+
+_OURS_MOE = re.compile(r"^layers\.(\d+)\.feed_forward\.(gate\.weight|gate\.expert_bias|experts\.w[123])$")
+_HF_EXPERT = re.compile(r"^model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
+_HF_GATE = re.compile(r"^model\.layers\.(\d+)\.mlp\.gate\.weight$")
+_HF_FUSED = re.compile(r"^model\.layers\.(\d+)\.mlp\.experts\.(gate_up_proj|down_proj)$")
+_W = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}  # ours -> Qwen's (SwiGLU: w2(silu(w1 x) * w3 x))
+_OURS_W = {v: k for k, v in _W.items()}
+
+
+def qwen3_moe_to_hf(sd: Mapping[str, torch.Tensor], ctx: AdapterContext) -> dict[str, torch.Tensor]:
+    """Our names → Qwen3-MoE's per-expert names (the aux-loss-free expert bias has no HF counterpart)."""
+    dense, out = {}, {}
+    for k, v in sd.items():
+        m = _OURS_MOE.match(k)
+        if m is None:
+            dense[k] = v
+            continue
+        prefix, what = f"model.layers.{m.group(1)}.mlp", m.group(2)
+        if what == "gate.weight":
+            out[f"{prefix}.gate.weight"] = v
+        elif what.startswith("experts."):
+            for j in range(v.shape[0]):
+                out[f"{prefix}.experts.{j}.{_W[what[-2:]]}.weight"] = v[j]
+    return {**llama_to_hf(dense, ctx), **out}
+
+
+def qwen3_moe_from_hf(hf: Mapping[str, torch.Tensor], ctx: AdapterContext) -> dict[str, torch.Tensor]:
+    """Qwen3-MoE's names (per-expert or fused) → ours; experts stacked in expert order."""
+    dense: dict[str, torch.Tensor] = {}
+    experts: dict[tuple[str, str], dict[int, torch.Tensor]] = {}
+    out: dict[str, torch.Tensor] = {}
+    for k, v in hf.items():
+        if (m := _HF_EXPERT.match(k)) is not None:
+            experts.setdefault((m.group(1), _OURS_W[m.group(3)]), {})[int(m.group(2))] = v
+        elif (m := _HF_GATE.match(k)) is not None:
+            out[f"layers.{m.group(1)}.feed_forward.gate.weight"] = v
+        elif (m := _HF_FUSED.match(k)) is not None:
+            base = f"layers.{m.group(1)}.feed_forward.experts"
+            if m.group(2) == "down_proj":
+                out[f"{base}.w2"] = v
+            else:
+                out[f"{base}.w1"], out[f"{base}.w3"] = v.chunk(2, dim=1)
+        else:
+            dense[k] = v
+    for (layer, w), by_index in experts.items():
+        if sorted(by_index) != list(range(len(by_index))):
+            raise CheckpointError(f"layer {layer}: experts {sorted(by_index)} of {_W[w]} are not 0..N-1")
+        out[f"layers.{layer}.feed_forward.experts.{w}"] = torch.stack([by_index[j] for j in range(len(by_index))])
+    return {**llama_from_hf(dense, ctx), **out}
+
+
+def qwen3_moe_config(cfg: Any, torch_dtype: str = "float32",
+                     special_ids: Optional[Mapping[str, Optional[int]]] = None) -> dict:
+    """The config.json of a Qwen3MoeForCausalLM equivalent to `cfg` (ModelInputs): dropless softmax top-k."""
+    m, r = cfg.model, cfg.moe
+    if m.moe_type not in ("Dropless", "MegaBlock-Dropless") or r.score_func != "softmax":
+        raise CheckpointError(f"model.moe_type={m.moe_type} / moe.score_func={r.score_func}: Qwen3MoeForCausalLM "
+                              "routes dropless over softmax scores")
+    if m.moe_use_residual or r.expert_bias_update_rate:
+        raise CheckpointError("model.moe_use_residual / moe.expert_bias_update_rate: Qwen3MoeForCausalLM has no "
+                              "shared experts or expert bias")
+    refuse_options(m, "Qwen3MoeForCausalLM", allowed=("qk_norm", "sliding_window"))
+    if not m.qk_norm:
+        raise CheckpointError("model.qk_norm=False: Qwen3MoeForCausalLM always normalizes q and k")
+    c = _common_config(cfg, torch_dtype, special_ids)
+    return {"architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", **c, "head_dim": head_dim(m),
+            "attention_bias": bool(m.qkv_bias), **window_config(m), "attention_dropout": 0.0,
+            "moe_intermediate_size": m.moe_intermediate_size or ffn_width(m), "num_experts": m.num_experts,
+            "num_experts_per_tok": r.top_k, "norm_topk_prob": bool(r.norm_topk_prob), "decoder_sparse_step": 1,
+            "mlp_only_layers": [], "router_aux_loss_coef": cfg.moe_loss_coeff, "output_router_logits": False}
+
+
+def config_from_qwen3_moe(c: Mapping, where: str = "config.json") -> dict:
+    """Our keys of a Qwen3-MoE config.json: `model` keys, and moe.norm_topk_prob (another section: dotted)."""
+    step, dense_layers = int(c.get("decoder_sparse_step", 1)), list(c.get("mlp_only_layers") or [])
+    if step != 1 or dense_layers:
+        raise CheckpointError(f"{where}: decoder_sparse_step={step}, mlp_only_layers={dense_layers}: some layers "
+                              "would be dense; internlm-core's MoE families make every layer sparse "
+                              "(decoder_sparse_step 1, mlp_only_layers [])")
+    out = config_from_qwen3(c, where)
+    out.update(num_experts=int(_need(c, "num_experts", where)), top_k=int(c.get("num_experts_per_tok", 8)),
+               moe_type="Dropless", moe_intermediate_size=int(_need(c, "moe_intermediate_size", where)))
+    out["moe.norm_topk_prob"] = bool(c.get("norm_topk_prob", False))  # transformers' default: not renormalized
+    return out
+
+
+def _need(c: Mapping, key: str, where: str) -> Any:
+    if c.get(key) is None:
+        raise CheckpointError(f"{where}: missing key {key!r}")
+    return c[key]
+
+
+QWEN3_MOE_HF = StateDictAdapter(format="hf", to_foreign=qwen3_moe_to_hf, from_foreign=qwen3_moe_from_hf,
+                                foreign_config=qwen3_moe_config, config_from_foreign=config_from_qwen3_moe,
+                                architectures=("Qwen3MoeForCausalLM",), hf_model_types=("qwen3_moe",),
+                                description="Hugging Face Qwen3MoeForCausalLM")
