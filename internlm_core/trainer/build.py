@@ -40,9 +40,11 @@ from ..utils.timer import Timers
 from ..utils.writer import MetricsWriter
 from ..callbacks import CallbackList, TrainerCallback
 from ..checkpoint import CheckpointCallback, CheckpointManager, RNGState, build_spike_rewind
+from ..checkpoint.hf_export import build_hf_exporter
 from .evaluation import build_evaluator
 from .hooks import SchedulerMetricHook
 from .state import BatchSkipper, TrainState
+from .replicated import build_replicas, trainer_class
 from .trainer import LoopConfig, Trainer
 
 logger = get_logger(__name__)
@@ -114,7 +116,10 @@ def build_grad_scaler(cfg: Config, precision: Precision) -> Optional[DynamicGrad
 def build_data(cfg: Config, dims: ParallelDims):
     from ..data import build_train_loader, build_valid_loaders
     kw = dict(dp_rank=dims.dp_rank, dp_size=dims.dp, vocab_size=cfg.model.vocab_size)
-    return build_train_loader(cfg.data, **kw), build_valid_loaders(cfg.data, **kw)
+    ft = cfg.parallel.fault_tolerance  # replica groups: each trains on its own share of every global batch
+    train = (dict(kw, dp_rank=ft.replica_id * dims.dp + dims.dp_rank, dp_size=ft.group_size * dims.dp)
+             if ft.enable else kw)
+    return build_train_loader(cfg.data, **train), build_valid_loaders(cfg.data, **kw)
 
 
 def build_monitors(cfg: Config, launch: LaunchInfo, dims: ParallelDims, run_dir: Path, alerts: Optional[AlertManager],
@@ -175,12 +180,13 @@ class StatefulParts:
 
 
 def order_callbacks(monitors: dict[str, TrainerCallback], checkpoint: CheckpointCallback,
-                    rewind: Optional[TrainerCallback], extra: list[TrainerCallback]) -> CallbackList:
+                    rewind: Optional[TrainerCallback], extra: list[TrainerCallback],
+                    hf_export: Optional[TrainerCallback] = None) -> CallbackList:
     """The callbacks in their declared order (CALLBACK_ORDER): the stop controller before the checkpoint callback
     (a save it requests at this step is taken); loss health before the checkpoint callback (no save while the loss
-    is unhealthy); the spike rewind after the save; a driver's own callbacks last (they observe the final state
-    of each event)."""
-    named = {**monitors, "checkpoint": checkpoint, "spike_rewind": rewind}
+    is unhealthy); the Hugging Face export (ckpt.hf_export_every) after the save it goes beside; the spike rewind
+    after both; a driver's own callbacks last (they observe the final state of each event)."""
+    named = {**monitors, "checkpoint": checkpoint, "hf_export": hf_export, "spike_rewind": rewind}
     unknown = set(named) - set(CALLBACK_ORDER)
     if unknown:
         raise ValueError(f"callbacks {sorted(unknown)} have no place in CALLBACK_ORDER")
@@ -189,7 +195,7 @@ def order_callbacks(monitors: dict[str, TrainerCallback], checkpoint: Checkpoint
 
 
 CALLBACK_ORDER = ("stop", "loss_health", "watchdog", "straggler", "profiler", "memory", "restart", "checkpoint",
-                  "spike_rewind")
+                  "hf_export", "spike_rewind")
 
 
 def choose_cpu_allocator(device: torch.device, dims: ParallelDims, simulated: bool) -> None:
@@ -254,10 +260,12 @@ def build_trainer(cfg: Config, launch: LaunchInfo, run_dir: Path, seed: Optional
                            tensorboard_dir=state.tensorboard_folder if cfg.monitor.tensorboard else None,
                            sinks=[trackers] if trackers is not None else [])
     callbacks = order_callbacks(monitors, CheckpointCallback(ckpt, health=monitors.get("loss_health")), rewind,
-                                list(extra_callbacks or []))
+                                list(extra_callbacks or []),
+                                build_hf_exporter(cfg, model, ckpt, monitors.get("loss_health")))
     choose_cpu_allocator(launch.device, dims, simulated)
     logger.info(f"run folder {run_dir} on {socket.gethostname()}")
-    return Trainer(
+    replicas = build_replicas(cfg, launch, ckpt, state)  # parallel.fault_tolerance: joins the quorum (None: off)
+    return trainer_class(replicas)(
         loop=LoopConfig.from_config(cfg, dims.tp, simulated=simulated), model=model,
         family=model_spec(cfg).hooks, pipeline=pipeline,
         loss_fn=build_loss(cfg, kernels), precision=precision, kernels=kernels, optimizer=optimizer,

@@ -27,6 +27,7 @@ from ..utils.writer import MetricsWriter
 from ..callbacks import CallbackList
 from ..checkpoint import CheckpointManager
 from ..parallel import CommCounter
+from ..parallel.fault_tolerance import StepNotCommitted
 from ..parallel.context import ROW_KEYS, ContextCut
 from .hooks import SchedulerMetricHook
 from .state import BatchSkipper, TrainState
@@ -336,11 +337,15 @@ class Trainer:
         metrics.update(self.family.step_metrics(self.model, self.dims.group("dp_cp") if self.dims.dp_cp > 1 else None))
         return metrics
 
+    def _batches(self) -> Iterator[dict]:
+        """The training batches (trainer/replicated.py adds each step's quorum)."""
+        return iter(self.train_loader)
+
     def train(self) -> TrainState:
         """Train until `data.total_steps` batches are done or a stop is requested."""
         loop, st = self.loop, self.state
         self.callbacks.fire("on_train_start", self)
-        train_iter = iter(self.train_loader)
+        train_iter = self._batches()
         logger.info(f"training from batch {st.batch_count} to {loop.total_steps} "
                     f"(micro_num={loop.micro_num}, packed_length={loop.packed_length}, dp={self.dims.dp})")
         self._step_end = time.perf_counter()
@@ -358,7 +363,10 @@ class Trainer:
                 self._step_end = time.perf_counter()
                 continue
             self._check_vocab(batch)
-            metrics = self.train_step(batch, t_start)
+            try:
+                metrics = self.train_step(batch, t_start)
+            except StepNotCommitted:  # replica groups (trainer/replicated.py): the same batch comes again
+                continue
             self.last_metrics = metrics
             self.writer.write(st.batch_count, metrics)
             self.callbacks.fire("on_step_end", self, metrics)

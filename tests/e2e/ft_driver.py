@@ -1,0 +1,50 @@
+"""train.py's main as one rank of a replica group (parallel.fault_tolerance), paced and fingerprinted for the tests.
+
+    python tests/e2e/ft_driver.py PACE_TOGETHER PACE_ALONE -- <train.py arguments>
+
+After every step the rank sleeps PACE_TOGETHER seconds while every replica group is in the quorum and PACE_ALONE
+while some are missing (a lost group has time to come back before the run ends). At the end it writes
+`digest-rank{R}.json` into the run folder: the step reached and a sha256 of this rank's local shards of the model
+and of the optimizer state, which two groups share bit for bit when they hold the same weights.
+"""
+
+import hashlib
+import json
+import sys
+import time
+
+import torch
+from torch.distributed.tensor import DTensor
+
+import train
+from internlm_core.callbacks import TrainerCallback
+
+
+def _sha(tensors) -> str:
+    h = hashlib.sha256()
+    for t in tensors:
+        t = t.to_local() if isinstance(t, DTensor) else t
+        h.update(t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
+
+
+class PaceAndDigest(TrainerCallback):
+    def __init__(self, together: float, alone: float):
+        self.together, self.alone = together, alone
+
+    def on_step_end(self, trainer, metrics):
+        full = metrics.get("ft/participants", 0) >= trainer.replicas.group_size
+        time.sleep(self.together if full else self.alone)
+
+    def on_train_end(self, trainer):
+        optim = trainer.optimizer.state_dict()["state"]
+        record = {"step": trainer.state.batch_count, "model": _sha(trainer.model.state_dict().values()),
+                  "optimizer": _sha(v for i in sorted(optim) for _, v in sorted(optim[i].items())),
+                  "heals": trainer.replicas.heal.healed}
+        (trainer.run_dir / f"digest-rank{trainer.rank}.json").write_text(json.dumps(record))
+
+
+if __name__ == "__main__":
+    together, alone, sep, *rest = sys.argv[1:]
+    assert sep == "--", "usage: ft_driver.py PACE_TOGETHER PACE_ALONE -- ARGS"
+    sys.exit(train.main(rest, extra_callbacks=[PaceAndDigest(float(together), float(alone))]))

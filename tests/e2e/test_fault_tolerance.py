@@ -1,0 +1,81 @@
+"""A lost replica group does not stop the job (parallel.fault_tolerance, torchft over gloo): a real lighthouse on
+loopback, two replica groups of two ranks each (FSDP inside each group); group 1 is SIGKILLed in the middle of the
+run; group 0 keeps stepping alone (every step number once in its metrics.jsonl, no restart); group 1 started again
+heals from group 0 (no checkpoint anywhere) and both end with bit-identical weights and optimizer state."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from tests.helpers.ft import Lighthouse, kill_group, start_group, train_records, wait_for, wait_group
+
+pytest.importorskip("torchft", reason="parallel.fault_tolerance needs torchft (requirements-dev.txt)")
+pytestmark = pytest.mark.slow
+
+STEPS = 20
+
+
+def group_args(run: Path, replica_id: int, lighthouse: str, *extra: str) -> list[str]:
+    """ft_driver.py: 0.05 s between steps with both groups in the quorum, 0.4 s alone (time for group 1 to come
+    back before the end), then train.py's arguments."""
+    return ["0.05", "0.4", "--", "--config", "configs/tiny.py", "--run-dir", str(run), "--set",
+            f"data.total_steps={STEPS}", "data.seq_len=64", "data.micro_num=1", "data.valid_every=0",
+            "monitor.tensorboard=False", "monitor.log_every=100", "parallel.fault_tolerance.enable=True",
+            f"parallel.fault_tolerance.replica_id={replica_id}", "parallel.fault_tolerance.group_size=2",
+            f"parallel.fault_tolerance.lighthouse={lighthouse}", "parallel.fault_tolerance.timeout=10",
+            "parallel.fault_tolerance.quorum_timeout=30", *extra]
+
+
+def digest(run: Path, rank: int) -> dict:
+    return json.loads((run / f"digest-rank{rank}.json").read_text())
+
+
+def test_a_killed_group_leaves_the_other_training_and_heals_from_it_on_return(tmp_path):
+    lighthouse = Lighthouse(tmp_path / "lighthouse.log")
+    g0_run, g1_run, g1_again = tmp_path / "group0", tmp_path / "group1", tmp_path / "group1-again"
+    try:
+        # group 0 first (so that it is the one the others heal from at their start), then group 1 joins it
+        group0 = start_group(0, 2, group_args(g0_run, 0, lighthouse.url))
+        wait_for(lambda: train_records(g0_run), 120, "group 0's first step", group0)
+        group1 = start_group(1, 2, group_args(g1_run, 1, lighthouse.url))
+        # both groups train together for a few steps, then group 1 is lost in the middle of the run
+        wait_for(lambda: any(r["ft/participants"] == 2 and r["step"] >= 4 for r in train_records(g1_run)), 120,
+                 "group 1 at step 4 with both groups in the quorum", group0 + group1)
+        kill_group(group1)
+        killed_at = train_records(g1_run)[-1]["step"]
+        wait_for(lambda: any(r["ft/participants"] == 1 for r in train_records(g0_run)), 60,
+                 "group 0 stepping alone", group0)
+        group1 = start_group(1, 2, group_args(g1_again, 1, lighthouse.url))
+        codes0, out0 = wait_group(group0, 120)
+        codes1, out1 = wait_group(group1, 120)
+    finally:
+        lighthouse.stop()
+    assert codes0 == [0, 0], out0[-6000:]
+    assert codes1 == [0, 0], out1[-6000:]
+
+    # group 0: every step once, in order, no restart; alone after the kill, with group 1 again at the end
+    recs0 = train_records(g0_run)
+    assert [r["step"] for r in recs0] == list(range(1, STEPS + 1))
+    assert not [r for r in map(json.loads, (g0_run / "metrics.jsonl").read_text().splitlines())
+                if r["kind"] == "restart"]
+    together = [r["ft/participants"] for r in recs0]
+    alone = [i for i, n in enumerate(together) if n == 1 and i + 1 > killed_at]
+    assert alone and together[-1] == 2, together
+    assert all(r["ft/heals"] == 0 for r in recs0[alone[0]:])  # the live group never took anyone's state
+
+    # group 1 again: healed from group 0 (no checkpoint was saved anywhere), then stepped on from there
+    recs1 = train_records(g1_again)
+    first = recs1[0]["step"]
+    assert first > alone[0] + 1 and [r["step"] for r in recs1] == list(range(first, STEPS + 1))
+    assert recs1[0]["ft/heals"] >= 1
+    assert not list(tmp_path.rglob("COMPLETE"))
+
+    # the same weights and optimizer state, bit for bit, on each rank of both groups
+    for rank in (0, 1):
+        a, b = digest(g0_run, rank), digest(g1_again, rank)
+        assert a["step"] == b["step"] == STEPS
+        assert (a["model"], a["optimizer"]) == (b["model"], b["optimizer"])
+    assert digest(g0_run, 0)["model"] != digest(g0_run, 1)["model"]  # two shards: the digests see real bytes
