@@ -52,6 +52,7 @@ class RankMemory:
     need: float
     free: float
     source: str
+    shared: bool = False  # the figure is the host's RAM, which the host's ranks share
 
     @property
     def verdict(self) -> str:
@@ -230,12 +231,12 @@ def check_memory(cfg: Config, world_size: int, rank: int, device: torch.device, 
         logger.warning(f"memory check skipped: the estimator cannot size this run ({e})")
         need = 0.0
     free, source = free_memory(device, cfg.memory_limit_gib)
-    ranks = _gather(RankMemory(rank, socket.gethostname(), need, free, source), world_size, distributed)
-    if device_type == "cpu" and cfg.memory_limit_gib is None:  # the ranks of one host share its RAM
-        for r in ranks:
-            local = sum(1 for o in ranks if o.host == r.host)
-            if local > 1:
-                r.free, r.source = r.free / local, f"{r.source} {size(r.free)} / {local} ranks on {r.host}"
+    shared = device_type == "cpu" and cfg.memory_limit_gib is None
+    ranks = _gather(RankMemory(rank, socket.gethostname(), need, free, source, shared), world_size, distributed)
+    for r in ranks:  # the ranks of one host share its RAM: each gets its part
+        local = sum(1 for o in ranks if o.host == r.host and o.shared)
+        if r.shared and local > 1:
+            r.free, r.source = r.free / local, f"{r.source} {size(r.free)} / {local} ranks on {r.host}"
     worst = max(ranks, key=lambda r: r.need / max(r.free, 1.0))
     verdict = worst.verdict
     if verdict == "fits":
