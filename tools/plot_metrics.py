@@ -5,7 +5,8 @@
 
 Writes loss.png (training loss, with an EMA above 200 steps, and validation loss), valid.png (validation ACC and PPL
 per dataset), lr.png, throughput.png (tokens per GPU per second, and MFU when known), grad_norm.png, and
-overview.png with all of them; prints the path of each. A resumed run (steps written twice) keeps the
+overview.png with all of them, and eval.png (evaluation.tasks: acc and acc_norm per task) when the run has
+evaluation records; prints the path of each. A resumed run (steps written twice) keeps the
 latest record of each step; a truncated last line (a crash) is skipped. A `restart` record (an elastic restart, a
 requeue) or a `rewind` record (a loss spike rewound) at step S drops the earlier records of steps after S: those
 steps were trained again (or skipped) after it; the loss plot marks each with a vertical line.
@@ -34,18 +35,22 @@ class Run:
     path: Path
     train: list = field(default_factory=list)
     valid: list = field(default_factory=list)
+    eval: list = field(default_factory=list)  # evaluation.tasks' records (eval/<task>/acc, acc_norm, loglik)
     events: list = field(default_factory=list)  # restart and rewind records, in file order
     skipped_lines: int = 0
 
     def series(self, key: str, kind: str = "train") -> tuple[list, list]:
         """(steps, values) of `key`, finite numbers only."""
         xs, ys = [], []
-        for r in self.train if kind == "train" else self.valid:
+        for r in {"train": self.train, "valid": self.valid, "eval": self.eval}[kind]:
             v = r.get(key)
             if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v):
                 xs.append(r["step"])
                 ys.append(float(v))
         return xs, ys
+
+    def eval_tasks(self) -> list[str]:
+        return sorted({k.split("/")[1] for r in self.eval for k in r if k.startswith("eval/") and k.count("/") == 2})
 
     def valid_datasets(self) -> list[str]:
         names = set()
@@ -64,7 +69,7 @@ def read_run(path: str | os.PathLike, name: str | None = None) -> Run:
     if not f.is_file():
         raise DataError(f"{f}: not found (a run folder written by train.py holds metrics.jsonl)")
     run = Run(name or (p.name if p.is_dir() else p.parent.name), p)
-    by_kind: dict[str, dict[int, dict]] = {"train": {}, "valid": {}}
+    by_kind: dict[str, dict[int, dict]] = {"train": {}, "valid": {}, "eval": {}}
     with open(f, encoding="utf-8") as fh:
         for line in fh:
             line = line.strip()
@@ -86,7 +91,8 @@ def read_run(path: str | os.PathLike, name: str | None = None) -> Run:
                         del records[s]
     run.train = [by_kind["train"][s] for s in sorted(by_kind["train"])]
     run.valid = [by_kind["valid"][s] for s in sorted(by_kind["valid"])]
-    if not run.train and not run.valid:
+    run.eval = [by_kind["eval"][s] for s in sorted(by_kind["eval"])]
+    if not run.train and not run.valid and not run.eval:
         raise DataError(f"{f}: no metrics records (has the run finished a step yet?)")
     return run
 
@@ -178,6 +184,28 @@ def plot_valid(ax_acc, ax_ppl, runs: list[Run], colors) -> bool:
     ax_ppl.set_xlabel("step")
     ax_ppl.set_ylabel("perplexity (exp loss)")
     ax_ppl.set_yscale("log")
+    return drawn
+
+
+def plot_eval(ax_acc, ax_norm, runs: list[Run], colors) -> bool:
+    """evaluation.tasks: acc and acc_norm of each task over the steps (a colour per task, or per run)."""
+    drawn = False
+    one = len(runs) == 1
+    for run, c in zip(runs, colors):
+        tasks = run.eval_tasks()
+        task_colors = _colors(len(tasks)) if one else [c] * len(tasks)
+        for j, task in enumerate(tasks):
+            for ax, key in ((ax_acc, "acc"), (ax_norm, "acc_norm")):
+                xs, ys = run.series(f"eval/{task}/{key}", "eval")
+                if xs:
+                    ax.plot(xs, ys, color=task_colors[j], marker="os^vD"[j % 5], ms=5, lw=1.2,
+                            label=task if one else f"{run.name} {task}")
+                    drawn = True
+    for ax, title in ((ax_acc, "evaluation accuracy (acc)"), (ax_norm, "evaluation accuracy, length-normalized")):
+        ax.set_title(title)
+        ax.set_xlabel("step")
+        ax.set_ylabel("fraction of documents right")
+        ax.set_ylim(0, 1)
     return drawn
 
 
@@ -282,6 +310,13 @@ def plot_runs(runs: list[Run], out_dir: str | os.PathLike) -> list[Path]:
         _finish(a1, drawn)
         _finish(a2, drawn)
         save(fig, "moe_balance.png")
+
+    if any(r.eval for r in runs):  # evaluation.tasks: multiple-choice scores
+        fig, (a1, a2) = plt.subplots(1, 2, figsize=(12, 4.5))
+        drawn = plot_eval(a1, a2, runs, colors)
+        _finish(a1, drawn)
+        _finish(a2, drawn)
+        save(fig, "eval.png")
 
     fig, axes = plt.subplots(2, 3, figsize=(16, 9))
     _finish(axes[0, 0], plot_loss(axes[0, 0], runs, colors))

@@ -5,6 +5,7 @@ import math
 import sys
 
 import numpy as np
+import pytest
 
 from tests.helpers.launch import ROOT, run_script
 
@@ -114,4 +115,26 @@ def test_moe_runs_get_a_load_balance_figure(tmp_path):
 
     img = mpimg.imread(tmp_path / "plots" / "moe_balance.png")[..., :3]
     for color in (C0, C1):  # a color per layer
+        assert (np.abs(img - color).max(axis=-1) < 0.08).sum() > 200, color
+
+
+def test_evaluation_records_get_an_eval_figure(tmp_path):
+    """kind "eval" records (evaluation.tasks: eval/<task>/acc, acc_norm) are read and drawn in eval.png, a colour
+    per task."""
+    folder = tmp_path / "ev"
+    folder.mkdir()
+    rows = [{"kind": "train", "step": s, "loss": 5.0} for s in range(1, 31)]
+    rows += [{"kind": "eval", "step": s, "eval/mc_a/acc": 0.2 + 0.02 * s, "eval/mc_a/acc_norm": 0.3,
+              "eval/mc_b/acc": 0.5, "eval/mc_b/acc_norm": 0.1 + 0.01 * s, "eval_time": 0.1} for s in (10, 20, 30)]
+    (folder / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    run = plot_metrics.read_run(folder)
+    assert run.eval_tasks() == ["mc_a", "mc_b"]
+    xs, ys = run.series("eval/mc_a/acc", "eval")
+    assert xs == [10, 20, 30] and ys == pytest.approx([0.4, 0.6, 0.8])
+    paths = plot_metrics.plot_runs([run], tmp_path / "plots")
+    assert tmp_path / "plots" / "eval.png" in paths
+    import matplotlib.image as mpimg
+
+    img = mpimg.imread(tmp_path / "plots" / "eval.png")[..., :3]
+    for color in (C0, C1):  # a color per task
         assert (np.abs(img - color).max(axis=-1) < 0.08).sum() > 200, color
