@@ -105,15 +105,15 @@ def config_from_qwen3_moe(c: Mapping, where: str = "config.json") -> dict:
         raise CheckpointError(f"{where}: decoder_sparse_step={step}, mlp_only_layers={dense_layers}: some layers "
                               "would be dense; internlm-core's MoE families make every layer sparse "
                               "(decoder_sparse_step 1, mlp_only_layers [])")
-    out = config_from_qwen3(c, where)
-    out.update(num_experts=int(_need(c, "num_experts", where)), top_k=int(c.get("num_experts_per_tok", 8)),
+    out = config_from_qwen3({"head_dim": None, **c}, where)  # Qwen3MoeConfig's head_dim: width / heads
+    out.update(num_experts=int(_need({"num_experts": c.get("num_local_experts"), **c}, "num_experts", where)), top_k=int(c.get("num_experts_per_tok", 8)),
                moe_type="Dropless", moe_intermediate_size=int(_need(c, "moe_intermediate_size", where)))
     out["moe.norm_topk_prob"] = bool(c.get("norm_topk_prob", False))  # transformers' default: not renormalized
     return out
 
 
 def _need(c: Mapping, key: str, where: str) -> Any:
-    if c.get(key) is None:
+    if c.get(key) is None:  # transformers 5 writes num_experts as num_local_experts (its attribute_map)
         raise CheckpointError(f"{where}: missing key {key!r}")
     return c[key]
 
