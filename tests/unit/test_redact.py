@@ -106,3 +106,26 @@ def test_a_written_config_reads_back_with_its_secret_unset(tmp_path, monkeypatch
         assert manager.sinks[0].url == "http://127.0.0.1:1/hook/from-env"
     finally:
         manager.close(timeout=1)
+
+
+def test_lease_crash_report_and_alerts_carry_no_secret(tmp_path, monkeypatch):
+    """The checkpoint folder's LEASE records the command line; a failure writes a crash report (traceback and log
+    tail) and sends an alert (here to a file): none of them may quote the webhook of `--set`."""
+    from internlm_core.checkpoint.lease import Holder
+    from internlm_core.errors import ConfigError
+    from internlm_core.monitor.alert import AlertManager, FileSink
+    from internlm_core.monitor.exception_monitor import ExceptionMonitor
+
+    secret = "http://127.0.0.1:1/hook/leaSE-T0KEN"
+    monkeypatch.setattr("sys.argv", ["train.py", "--set", f"monitor.alert.webhook_url={secret}"])
+    assert Holder.me(str(tmp_path)).argv == f"train.py --set monitor.alert.webhook_url={REDACTED}"
+    redact.register_secret(secret)
+    alerts = AlertManager([FileSink(tmp_path / "alerts.jsonl")], job_name="job")
+    with pytest.raises(ConfigError):
+        with ExceptionMonitor(alerts, rank=0, run_dir=tmp_path, job_name="job", hard_exit=False):
+            raise ConfigError(f"monitor.alert.webhook_url: {secret} did not answer")
+    alerts.close(timeout=5)
+    report = (tmp_path / "crash_rank0.txt").read_text()
+    sent = (tmp_path / "alerts.jsonl").read_text()
+    assert f"monitor.alert.webhook_url: {REDACTED} did not answer" in report and "leaSE-T0KEN" not in report
+    assert f"monitor.alert.webhook_url: {REDACTED} did not answer" in sent and "leaSE-T0KEN" not in sent
