@@ -25,6 +25,7 @@ from ..errors import CheckpointError
 from ..model.spec import StateDictAdapter, get_model_spec
 from ..numerics.precision import resolve_precision
 from .foreign import check_model_keys, context, find_adapter, groups, load_full_state, select_layers
+from .safetensors_io import safe_load
 
 MODEL_FILE = re.compile(r"^model_tp(\d+)_pp(\d+)\.pt$")
 FSDP_FILE = re.compile(r"^model_tp(\d+)_pp(\d+)_(?:dp|zo)(\d+)\.pt$")
@@ -33,25 +34,6 @@ _LAYER = re.compile(r"\.(\d+)\.")
 # the model_config.pt keys a load checks against the built model (the FFN width comes from the tensors)
 _CHECKED = ("num_layers", "hidden_size", "num_attention_heads", "vocab_size", "num_kv_attention_heads")
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-def safe_load(path: Path) -> Any:
-    """torch.load(weights_only=True) on the CPU, memory-mapped where the file allows it (torch.save's zip format:
-    a tensor is read from disk when it is used, so a load holds one layer, not the file); CheckpointError naming
-    the file when it is not plain data."""
-    if not Path(path).is_file():
-        raise CheckpointError(f"{path}: not found")
-    try:
-        try:
-            return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
-        except RuntimeError as e:
-            if "mmap" not in str(e):
-                raise
-            return torch.load(path, map_location="cpu", weights_only=True)  # the legacy format cannot be mapped
-    except Exception as e:  # the unpickler refuses code, unknown globals, truncated files
-        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise CheckpointError(f"{path}: not a plain tensor file, refused by torch.load(weights_only=True) "
-                              f"({first[:200]})") from None
 
 
 def is_internlm_folder(folder: str | os.PathLike) -> bool:

@@ -4,7 +4,7 @@
 Read into any layout of internlm-core through the model family's "llama" adapter (model/llama/meta.py), which
 merges the model-parallel shards and puts q/k rows into our rotary order. As InternEvo's loader, a folder without
 `consolidated.*.pth` files may hold other `*.pth` files, taken in name order as model-parallel ranks 0, 1, ...
-Every file is read with `torch.load(weights_only=True)` (internlm_format.safe_load): tensors and plain containers
+Every file is read with `torch.load(weights_only=True)` (safetensors_io.safe_load): tensors and plain containers
 only, memory-mapped, so that the reading rank holds one layer at a time.
 """
 
@@ -19,8 +19,7 @@ import torch
 
 from ..errors import CheckpointError
 from .foreign import check_model_keys, context, find_adapter, load_full_state, select_layers
-from .internlm_format import safe_load
-from .safetensors_io import read_json
+from .safetensors_io import read_json, safe_load
 
 PARAMS = "params.json"
 _CONSOLIDATED = re.compile(r"^consolidated\.(\d+)\.pth$")

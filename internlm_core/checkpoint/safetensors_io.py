@@ -1,5 +1,6 @@
 """Safetensors folders as Hugging Face writes them: shard planning, writing one shard at a time (with the index
-`model.safetensors.index.json`), finding and reading tensors by name. Never loads pickles."""
+`model.safetensors.index.json`), finding and reading tensors by name. PyTorch's pytorch_model*.bin files are read
+only through torch.load(weights_only=True) (no pickled code runs)."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import json
 import os
 import re
 from pathlib import Path
-from typing import Callable, Iterable, Mapping, Optional
+from typing import Any, Callable, Iterable, Mapping, Optional
 
 import torch
 
@@ -84,40 +85,74 @@ def write_safetensors_shards(names_in_order: list[str], nbytes: Mapping[str, int
 
 
 def hf_safetensors_files(hf_dir: str | os.PathLike) -> dict[str, Path]:
-    """HF tensor name → the safetensors file holding it (from the index, or the single model.safetensors)."""
+    """HF tensor name → the file holding it: safetensors (from model.safetensors.index.json or the single
+    model.safetensors), else PyTorch's pytorch_model*.bin (its index, or the single file), which InternEvo's
+    "hf_llama" loads; those are read with torch.load(weights_only=True) only."""
     d = Path(hf_dir)
-    index = d / "model.safetensors.index.json"
-    if index.is_file():
-        wm = read_json(index).get("weight_map")
-        if not isinstance(wm, dict):
-            raise CheckpointError(f"{index}: no weight_map")
-        return {k: d / v for k, v in wm.items()}
+    for index in (d / "model.safetensors.index.json", d / "pytorch_model.bin.index.json"):
+        if index.is_file():
+            wm = read_json(index).get("weight_map")
+            if not isinstance(wm, dict):
+                raise CheckpointError(f"{index}: no weight_map")
+            return {k: d / v for k, v in wm.items()}
     single = d / "model.safetensors"
     if single.is_file():
         from safetensors import safe_open
 
         with safe_open(str(single), framework="pt") as f:
             return {k: single for k in f.keys()}
-    if any(d.glob("pytorch_model*.bin")):
-        raise CheckpointError(f"{d}: only pytorch_model*.bin (pickle) weights; convert them to safetensors first "
-                              f"(pickles are never loaded here)")
-    raise CheckpointError(f"{d}: no model.safetensors or model.safetensors.index.json")
+    bins = sorted(d.glob("pytorch_model*.bin"))
+    if bins:
+        return {k: path for path in bins for k in _bin_tensors(path)}
+    raise CheckpointError(f"{d}: no model.safetensors, model.safetensors.index.json or pytorch_model*.bin")
+
+
+def safe_load(path: Path) -> Any:
+    """torch.load(weights_only=True) on the CPU, memory-mapped where the file allows it (torch.save's zip format:
+    a tensor is read from disk when it is used, so a load holds one layer, not the file); CheckpointError naming
+    the file when it is not plain data."""
+    if not Path(path).is_file():
+        raise CheckpointError(f"{path}: not found")
+    try:
+        try:
+            return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+        except RuntimeError as e:
+            if "mmap" not in str(e):
+                raise
+            return torch.load(path, map_location="cpu", weights_only=True)  # the legacy format cannot be mapped
+    except Exception as e:  # the unpickler refuses code, unknown globals, truncated files
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise CheckpointError(f"{path}: not a plain tensor file, refused by torch.load(weights_only=True) "
+                              f"({first[:200]})") from None
+
+
+def _bin_tensors(path: Path) -> dict[str, torch.Tensor]:
+    """The tensors of a pytorch_model*.bin, memory-mapped, through torch.load(weights_only=True): plain tensors
+    and containers only, a file that would run code is refused (CheckpointError naming it)."""
+    sd = safe_load(path)
+    if not isinstance(sd, Mapping):
+        raise CheckpointError(f"{path}: expected a state dict, found {type(sd).__name__}")
+    return {k: v for k, v in sd.items() if isinstance(v, torch.Tensor)}
 
 
 def read_hf_tensors(hf_dir: str | os.PathLike, names: Optional[Iterable[str]] = None) -> dict[str, torch.Tensor]:
-    """The HF-named tensors of a Llama folder (all, or only `names`), read from its safetensors files."""
+    """The HF-named tensors of a folder (all, or only `names`), read from its safetensors (or .bin) files."""
     from safetensors import safe_open
 
     where = hf_safetensors_files(hf_dir)
     wanted = list(where) if names is None else list(names)
     missing = [n for n in wanted if n not in where]
     if missing:
-        raise CheckpointError(f"{hf_dir}: tensor(s) {missing[:3]} not found in its safetensors files")
+        raise CheckpointError(f"{hf_dir}: tensor(s) {missing[:3]} not found in its weight files")
     by_file: dict[Path, list[str]] = {}
     for n in wanted:
         by_file.setdefault(where[n], []).append(n)
     out = {}
     for path, keys in by_file.items():
+        if path.suffix == ".bin":
+            tensors = _bin_tensors(path)
+            out.update({k: tensors[k] for k in keys})
+            continue
         with safe_open(str(path), framework="pt") as f:
             for k in keys:
                 out[k] = f.get_tensor(k)

@@ -146,3 +146,30 @@ def test_internevo_spellings_of_the_type():
                                               f"'ckpt_type': '{spelling}'}}"])
         assert cfg.ckpt.load_ckpt_info.ckpt_type == kind
     assert FOREIGN_LOADERS["llama"] is load_meta_llama
+
+
+def test_hf_pytorch_model_bin_loads_as_safetensors_do(tmp_path):
+    """InternEvo's hf_llama reads pytorch_model*.bin: read here through torch.load(weights_only=True) only."""
+    from internlm_core.checkpoint.hf import config_from_hf, load_hf
+
+    conf = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                                    num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    torch.manual_seed(5)
+    hf = transformers.LlamaForCausalLM(conf).eval()
+    hf.save_pretrained(tmp_path / "st")
+    sd = {k: v.contiguous() for k, v in hf.state_dict().items()}
+    (tmp_path / "bin").mkdir()
+    (tmp_path / "st" / "config.json").rename(tmp_path / "bin" / "config.json")
+    torch.save(sd, tmp_path / "bin" / "pytorch_model.bin")
+    keys = config_from_hf(tmp_path / "bin")
+    cfg = load_config("configs/tiny.py", ["model_type=LLAMA", "data.seq_len=64", "model.dtype=torch.float32",
+                                          *[f"model.{k}={v}" for k, v in keys.items()]])
+    a, b = build_model(cfg), build_model(cfg)
+    (tmp_path / "st" / "config.json").write_text((tmp_path / "bin" / "config.json").read_text())
+    load_hf(a, tmp_path / "st")
+    assert sorted(load_hf(b, tmp_path / "bin")) == sorted(b.state_dict())
+    assert all(torch.equal(a.state_dict()[k], b.state_dict()[k]) for k in a.state_dict())
+    torch.save({**sd, "evil": torch.nn.Linear(1, 1)}, tmp_path / "bin" / "pytorch_model.bin")
+    with pytest.raises(CheckpointError, match=r"pytorch_model.bin: not a plain tensor file, refused by "
+                                              r"torch.load\(weights_only=True\)"):
+        load_hf(b, tmp_path / "bin")
