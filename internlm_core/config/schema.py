@@ -228,7 +228,7 @@ class LoadCkptInfo:
 
     path: Optional[str] = f(None, "Checkpoint folder or URL to load.")
     content: tuple = f(None, f"What to load: any of {', '.join(CONTENTS)}, or all.", factory=lambda: ("all",))
-    ckpt_type: str = f("internlm_core", "Format: internlm_core (our DCP checkpoints), internlm (InternLM's / InternEvo's own folders of model_tp{t}_pp{p}.pt; also internevo), hf or hf_llama (a Hugging Face folder: LlamaForCausalLM, InternLMForCausalLM, InternLM2ForCausalLM). Other formats load the model only.")
+    ckpt_type: str = f("internlm_core", "Format: internlm_core (our DCP checkpoints), internlm (InternLM's / InternEvo's own folders of model_tp{t}_pp{p}.pt; also internevo, internlm_test, internlm2_test), hf or hf_llama (a Hugging Face folder, safetensors or pytorch_model*.bin: LlamaForCausalLM, InternLMForCausalLM, InternLM2ForCausalLM, ...), llama (Meta's original Llama folder: params.json, consolidated.NN.pth; InternEvo's LLAMA; also meta). Other formats load the model only, into any layout.")
 
 
 @dataclass

@@ -147,7 +147,8 @@ class AdapterContext:
     """What a state-dict adapter needs besides the tensors.
 
     args: the model's ModelArgs (heads, kv heads, head_dim, tied embeddings, ...).
-    tp: tensor-parallel shards of the foreign side (InternLM folders keep one state dict per tensor rank).
+    tp: tensor-parallel shards of the foreign side (InternLM folders keep one state dict per tensor rank, Meta's
+        Llama folders one per model-parallel rank).
     options: the foreign format's own switches (InternLM's model_config.pt: embed_split_hidden, qk_interleaved).
     """
 
@@ -163,7 +164,9 @@ class StateDictAdapter:
     to_foreign(state_dict, ctx) / from_foreign(foreign, ctx) map a whole state dict, or any part of it made of
     whole layers (the generic code converts one layer at a time), names and tensors where a format packs them.
     For format "internlm" the foreign side is {tensor rank: state dict} with the pipeline stages merged (global
-    layer numbers). A tied output is produced from, and restored to, the embedding.
+    layer numbers), for "llama" (Meta's) {model-parallel rank: state dict}; a foreign name's first number is its
+    layer, ours (the generic code hands from_foreign one layer's entries, and those outside the layers together).
+    A tied output is produced from, and restored to, the embedding.
     foreign_config(inputs: ModelInputs, dtype_name, special_ids) -> the foreign config (HF config.json, InternLM's
     model_config.pt) of our model (`Config.model_inputs()`); config_from_foreign(foreign_config) -> our `model` keys (CheckpointError
     for what the family cannot represent). architectures: the HF classes this adapter reads and writes;
@@ -215,7 +218,8 @@ class ModelSpec:
     num_parameters(args), flops_per_token(args, seq_len): analytic counts for logs, MFU and estimates.
     sizes: named shapes ("7B": {model keys}) of the family's published models.
     adapters: state-dict adapters by format: "hf" (the family's own Hugging Face class), "hf_llama" (the
-        LlamaForCausalLM form), "internlm" (InternLM's / InternEvo's training checkpoints).
+        LlamaForCausalLM form), "internlm" (InternLM's / InternEvo's training checkpoints), "llama" (Meta's
+        original Llama checkpoints).
     hooks: what the step loop calls besides forward and backward (TrainingHooks).
     counts: ModelCounts (model/counts.py): the parameters, FLOPs and activation bytes the estimator sums,
         term by term with the mesh dimensions dividing each.
