@@ -25,10 +25,14 @@ class RunInfo:
 
 
 class Tracker(Protocol):
-    """One experiment tracker. Every method runs in the tracker's own background thread and may raise: the hub
-    (hub.py) warns once and keeps training going."""
+    """One experiment tracker. Every method but `prepare` runs in the tracker's own background thread; any may raise:
+    the hub (hub.py) warns once and keeps training going."""
 
     name: str
+
+    def prepare(self) -> None:
+        """Import the tracker's package. Called in the training thread before the first step (an import holds the
+        interpreter for seconds: in the tracker's thread it would slow the steps it overlaps)."""
 
     def open(self, run: RunInfo) -> str:
         """Start (or continue, when `run.resumed`) the tracker's run; log `run.config` when it is new. Returns

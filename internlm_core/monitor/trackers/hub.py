@@ -102,11 +102,17 @@ class TrackerHub:
 
     # ---- sending ------------------------------------------------------------------------------------------------
     def start(self) -> None:
-        """Open every tracker in its own thread (after any resume: the run key is final)."""
+        """Import the trackers' packages here, then open each tracker in its own thread (after any resume: the run
+        key is final)."""
         if self._started:
             return
         self._started = True
         for w in self._workers:
+            try:
+                w.tracker.prepare()
+            except BaseException as e:  # noqa: BLE001 - e.g. the package is not installed
+                w.warn("importing its package", e)
+                continue
             w.thread = threading.Thread(target=w.run, args=(self.run,), name=f"tracker-{w.tracker.name}",
                                         daemon=True)
             w.thread.start()

@@ -32,12 +32,15 @@ class MlflowTracker:
         self._client: Optional[Any] = None
         self._run_id = ""
 
+    def prepare(self) -> None:
+        import mlflow.tracking  # noqa: F401 - the optional dependency, only here
+
     def open(self, run: RunInfo) -> str:
         # mlflow's HTTP client retries a refused connection for minutes by default; bounded here unless the user set
         # them (the tracker's thread gives up after run.timeout_s anyway)
         os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", str(max(1, int(run.timeout_s))))
         os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "1")
-        from mlflow.tracking import MlflowClient  # the optional dependency, only here
+        from mlflow.tracking import MlflowClient
 
         client = MlflowClient()
         exp = client.get_experiment_by_name(run.project)

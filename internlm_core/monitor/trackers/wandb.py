@@ -18,8 +18,11 @@ class WandbTracker:
     def __init__(self) -> None:
         self._run: Optional[Any] = None
 
+    def prepare(self) -> None:
+        import wandb  # noqa: F401 - the optional dependency, only here
+
     def open(self, run: RunInfo) -> str:
-        import wandb  # the optional dependency, only here
+        import wandb
 
         # console capture off: the run folder has the logs, and wandb must not wrap the process's stdout from a
         # background thread; init_timeout bounds the connection attempt
