@@ -16,12 +16,12 @@ starts every context when the tokenizer has one (our Hugging Face export's token
 from __future__ import annotations
 
 import bisect
-import itertools
 import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
+import numpy as np
 import torch
 
 from ..errors import ConfigError, DataError
@@ -93,7 +93,7 @@ def encode_pair(tokenizer: Any, context: str, continuation: str) -> tuple[list[i
     return ctx, whole[len(ctx):]
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class Request:
     """One (document, choice): the tokens of its row (`input`, then the last one, predicted only) and how many
     of the last ones are the continuation that is scored."""
@@ -101,8 +101,8 @@ class Request:
     task: int
     doc: int
     choice: int
-    tokens: tuple[int, ...]   # input + [last target]: lm-eval's (context + continuation)[-(seq_len + 1):]
-    n_scored: int             # the continuation's tokens (the last n_scored of `tokens`)
+    tokens: np.ndarray  # int32: input + [last target], lm-eval's (context + continuation)[-(seq_len + 1):]
+    n_scored: int       # the continuation's tokens (the last n_scored of `tokens`)
 
 
 def build_requests(tasks: Sequence[EvalTask], tokenizer: Any, seq_len: int, vocab_size: int,
@@ -123,7 +123,7 @@ def build_requests(tasks: Sequence[EvalTask], tokenizer: Any, seq_len: int, voca
                 if max(tokens) >= vocab_size:
                     raise DataError(f"{where}: token id {max(tokens)} is outside the model's vocabulary "
                                     f"[0, {vocab_size}) (model.vocab_size); is `tokenizer` the run's tokenizer?")
-                out.append(Request(t, d, c, tuple(tokens), len(cont)))
+                out.append(Request(t, d, c, np.asarray(tokens, dtype=np.int32), len(cont)))
     return out
 
 
@@ -146,50 +146,47 @@ def pack_rows(lengths: Sequence[int], seq_len: int) -> list[list[int]]:
     return rows
 
 
-def _row(requests: Sequence[Request], ids: list[int], seq_len: int, base: int) -> tuple[list, ...]:
-    """One row: the requests side by side as documents (positions restart), padding after them as one more."""
-    inputs, labels, positions, owner, cu = [], [], [], [], [base]
-    for i in ids:
-        r = requests[i]
-        n = len(r.tokens) - 1
-        inputs += r.tokens[:-1]
-        labels += [IGNORE_INDEX] * (n - r.n_scored) + list(r.tokens[-r.n_scored:])
-        owner += [-1] * (n - r.n_scored) + [i] * r.n_scored
-        positions += range(n)
-        cu.append(cu[-1] + n)
-    pad = seq_len - len(inputs)
-    if pad:
-        inputs += [0] * pad
-        labels += [IGNORE_INDEX] * pad
-        owner += [-1] * pad
-        positions += range(pad)
-        cu.append(base + seq_len)
-    return inputs, labels, positions, owner, cu
-
-
-def eval_batches(requests: Sequence[Request], seq_len: int, rows_per_batch: int, dp_rank: int,
-                 dp_size: int) -> list[dict]:
-    """This rank's batches, in the trainer's batch layout: one micro-batch of `rows_per_batch` rows of seq_len each.
-    `type_ids` holds the index of the request each scored label belongs to (-1 elsewhere): it travels with the
-    labels through every cut of the rows (pipeline micro-batches, context-parallel chunks).
-
-    Rows are packed from all requests, then dealt to the data-parallel ranks in turn; every rank gets the same
-    number of batches (empty rows fill the last ones), so that their forwards (and FSDP's gathers) pair up."""
+def deal_batches(requests: Sequence[Request], seq_len: int, rows_per_batch: int, dp_rank: int,
+                 dp_size: int) -> list[list[list[int]]]:
+    """This rank's batches as the request indices of each row. Rows are packed from all requests, then dealt to
+    the data-parallel ranks in turn; every rank gets the same number of batches of `rows_per_batch` rows (empty
+    rows fill the last ones), so that their forwards (and FSDP's gathers) pair up."""
     rows = pack_rows([len(r.tokens) - 1 for r in requests], seq_len)
     mine = rows[dp_rank::dp_size]
     per_rank = -(-len(rows) // dp_size)
-    n_batches = -(-per_rank // rows_per_batch)
-    out = []
-    for b in range(n_batches):
-        chunk = mine[b * rows_per_batch:(b + 1) * rows_per_batch]
-        chunk += [[]] * (rows_per_batch - len(chunk))
-        parts = [_row(requests, ids, seq_len, k * seq_len) for k, ids in enumerate(chunk)]
-        cu = [0] + [c for p in parts for c in p[4][1:]]
-        flat = [list(itertools.chain.from_iterable(p[j] for p in parts)) for j in range(4)]
-        out.append({"input_ids": torch.tensor([flat[0]]), "labels": torch.tensor([flat[1]]),
-                    "position_ids": torch.tensor([flat[2]]), "type_ids": torch.tensor([flat[3]]),
-                    "cu_seqlens": [torch.tensor(cu, dtype=torch.int32)]})
-    return out
+    chunks = [mine[b:b + rows_per_batch] for b in range(0, per_rank, rows_per_batch)]
+    return [chunk + [[]] * (rows_per_batch - len(chunk)) for chunk in chunks]
+
+
+def make_batch(requests: Sequence[Request], rows: Sequence[Sequence[int]], seq_len: int) -> dict:
+    """One batch in the trainer's layout (one micro-batch of len(rows) rows of seq_len): the requests of each row
+    side by side as documents (positions restart; padding after them is one more), labels only on the
+    continuations. `type_ids` holds the index of the request each scored label belongs to (-1 elsewhere): it
+    travels with the labels through every cut of the rows (pipeline micro-batches, context-parallel chunks)."""
+    n = len(rows) * seq_len
+    inputs = np.zeros(n, dtype=np.int64)
+    labels = np.full(n, IGNORE_INDEX, dtype=np.int64)
+    owner = np.full(n, -1, dtype=np.int64)
+    positions = np.zeros(n, dtype=np.int64)
+    cu = [0]
+    for k, ids in enumerate(rows):
+        at = k * seq_len
+        for i in ids:
+            r = requests[i]
+            length = len(r.tokens) - 1
+            inputs[at:at + length] = r.tokens[:-1]
+            labels[at + length - r.n_scored:at + length] = r.tokens[-r.n_scored:]
+            owner[at + length - r.n_scored:at + length] = i
+            positions[at:at + length] = np.arange(length)
+            at += length
+            cu.append(at)
+        end = (k + 1) * seq_len
+        if at < end:  # the padding: a document of its own
+            positions[at:end] = np.arange(end - at)
+            cu.append(end)
+    return {"input_ids": torch.from_numpy(inputs)[None], "labels": torch.from_numpy(labels)[None],
+            "position_ids": torch.from_numpy(positions)[None], "type_ids": torch.from_numpy(owner)[None],
+            "cu_seqlens": [torch.tensor(cu, dtype=torch.int32)]}
 
 
 def choice_metrics(task: EvalTask, loglikelihoods: Sequence[Sequence[float]]) -> dict[str, float]:

@@ -20,7 +20,8 @@ from typing import Any, Callable, Iterable, Iterator, Optional
 import torch
 
 from ..config import Config
-from ..data.eval_tasks import EvalTask, Request, build_requests, choice_metrics, eval_batches, per_doc, read_task
+from ..data.eval_tasks import (EvalTask, Request, build_requests, choice_metrics, deal_batches, make_batch, per_doc,
+                               read_task)
 from ..distributed import ParallelDims
 from ..errors import ConfigError
 from ..loss import FlashGPTLMLoss
@@ -41,7 +42,8 @@ class TaskEvaluator:
 
     tasks: list[EvalTask]
     requests: list[Request]
-    batches: list[dict]               # this data-parallel rank's share, the same count on every rank
+    seq_len: int
+    batches: list[list[list[int]]]    # this rank's share: per batch, per row, request indices (deal_batches)
     loss_fn: FlashGPTLMLoss           # the run's cross entropy kernel without label smoothing: log-likelihoods
     every: int                        # evaluation.eval_every (0: only at the end)
     at_end: bool
@@ -60,7 +62,8 @@ class TaskEvaluator:
         `contexts()` gives the context managers each forward and loss run under (autocast, loss_parallel)."""
         device = collectives.group_device(self.group) if self.group is not None else self.device
         lls = torch.zeros(len(self.requests), dtype=torch.float64, device=device)
-        for batch in self.batches:
+        for rows in self.batches:
+            batch = make_batch(self.requests, rows, self.seq_len)  # built when needed: requests take less memory
             with contextlib.ExitStack() as stack:
                 for c in contexts():
                     stack.enter_context(c)
@@ -116,10 +119,10 @@ def build_evaluator(cfg: Config, dims: ParallelDims, device: torch.device, rank:
     tasks = [read_task(t["name"], t["path"], f"evaluation.tasks[{i}].path") for i, t in enumerate(ev.tasks)]
     seq_len = cfg.data.seq_len
     requests = build_requests(tasks, tokenizer, seq_len, cfg.model.vocab_size, ev.target_delimiter)
-    batches = eval_batches(requests, seq_len, ev.batch_size, dims.dp_rank, dims.dp)
+    batches = deal_batches(requests, seq_len, ev.batch_size, dims.dp_rank, dims.dp)
     logger.info(f"evaluation: {len(tasks)} task(s) ({', '.join(t.name for t in tasks)}), {len(requests)} requests in "
                 f"{len(batches)} forward(s) of {ev.batch_size} x {seq_len} per data-parallel rank, every "
                 f"{ev.eval_every or '-'} steps{' and at the end' if ev.at_end else ''}")
-    return TaskEvaluator(tasks, requests, batches, FlashGPTLMLoss(cross_entropy), ev.eval_every, ev.at_end,
+    return TaskEvaluator(tasks, requests, seq_len, batches, FlashGPTLMLoss(cross_entropy), ev.eval_every, ev.at_end,
                          group=dims.group("pp_dp"), device=device,
                          details_path=run_dir / "eval_details.jsonl" if rank == 0 else None)

@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from internlm_core.config import build_config
-from internlm_core.data.eval_tasks import (ChoiceDoc, EvalTask, build_requests, choice_metrics, encode_pair,
-                                           eval_batches, pack_rows, read_task)
+from internlm_core.data.eval_tasks import (ChoiceDoc, EvalTask, build_requests, choice_metrics, deal_batches,
+                                           encode_pair, make_batch, pack_rows, read_task)
 from internlm_core.data.tokenizers import BYTE_BOS, ByteTokenizer
 from internlm_core.errors import ConfigError, DataError
 from internlm_core.loss import FlashGPTLMLoss
@@ -39,8 +39,8 @@ def test_requests_truncate_from_the_left_like_lm_eval():
     assert [(r.doc, r.choice, r.n_scored) for r in reqs] == [(0, 0, 5), (0, 1, 6), (0, 2, 15), (1, 0, 3),
                                                              (1, 1, 6), (2, 0, 8), (2, 1, 2)]
     whole = [BYTE_BOS, *_bytes("A context longer than a row a reply")]  # 36 tokens
-    assert reqs[5].tokens == tuple(whole[-(SEQ_LEN + 1):])  # (context + continuation)[-(max_length + 1):]
-    assert reqs[3].tokens == (BYTE_BOS, *_bytes("2 + 2 =  4"))  # the context's space, then the delimiter
+    assert reqs[5].tokens.tolist() == whole[-(SEQ_LEN + 1):]  # (context + continuation)[-(max_length + 1):]
+    assert reqs[3].tokens.tolist() == [BYTE_BOS, *_bytes("2 + 2 =  4")]  # the context's space, then the delimiter
     with pytest.raises(DataError, match=r"t.jsonl: document 1, choice 0: token id 256 is outside the model's "
                                         r"vocabulary \[0, 200\)"):
         build_requests([task], ByteTokenizer(), SEQ_LEN, vocab_size=200)
@@ -52,10 +52,11 @@ def test_rows_are_packed_and_dealt_evenly_to_ranks():
     task = EvalTask("t", "t.jsonl", DOCS * 3)
     reqs = build_requests([task], ByteTokenizer(), SEQ_LEN, vocab_size=259)
     seen = []
-    shards = [eval_batches(reqs, SEQ_LEN, 2, rank, 3) for rank in range(3)]
+    shards = [deal_batches(reqs, SEQ_LEN, 2, rank, 3) for rank in range(3)]
     assert len({len(s) for s in shards}) == 1  # the same number of forwards on every rank
     for shard in shards:
-        for b in shard:
+        for rows in shard:
+            b = make_batch(reqs, rows, SEQ_LEN)
             assert b["input_ids"].shape == (1, 2 * SEQ_LEN)
             cu = b["cu_seqlens"][0].tolist()
             assert {0, SEQ_LEN, 2 * SEQ_LEN} <= set(cu) and cu == sorted(cu)  # a boundary at every row start
@@ -77,19 +78,19 @@ def test_packed_loglikelihoods_equal_each_request_alone():
     model = _tiny_model()
     task = EvalTask("t", "t.jsonl", DOCS)
     reqs = build_requests([task], ByteTokenizer(), SEQ_LEN, vocab_size=259)
-    batches = eval_batches(reqs, SEQ_LEN, 2, 0, 1)
+    batches = deal_batches(reqs, SEQ_LEN, 2, 0, 1)
 
     def outputs(batch):  # the trainer's evaluation forward, one process: rows of seq_len
         mb = {k: batch[k][0].view(-1, SEQ_LEN) for k in ("input_ids", "labels", "position_ids", "type_ids")}
         yield model(mb["input_ids"], mb["position_ids"], batch["cu_seqlens"][0]), mb
 
-    ev = TaskEvaluator([task], reqs, batches, FlashGPTLMLoss("fused_chunked"), every=0, at_end=True)
+    ev = TaskEvaluator([task], reqs, SEQ_LEN, batches, FlashGPTLMLoss("fused_chunked"), every=0, at_end=True)
     lls = ev.loglikelihoods(outputs, lambda: ())
     with torch.no_grad():
         for r, ll in zip(reqs, lls):  # by hand: the request alone, log-softmax, its continuation's log-probs
-            ids = torch.tensor(r.tokens[:-1]).view(1, -1)
+            ids = torch.tensor(r.tokens[:-1], dtype=torch.long).view(1, -1)
             logp = torch.log_softmax(model(ids).float()[0], dim=-1)
-            targets = r.tokens[-r.n_scored:]
+            targets = r.tokens[-r.n_scored:].tolist()
             rows = range(len(r.tokens) - 1 - r.n_scored, len(r.tokens) - 1)
             expected = sum(logp[i, t].item() for i, t in zip(rows, targets))
             assert ll == pytest.approx(expected, abs=1e-4), r
