@@ -16,7 +16,9 @@ DOCS = [
     {"context": "The capital of France is", "choices": ["Paris", "Rome", "a big city"], "gold": 0},
     {"context": "2 + 2 =", "choices": ["4", "five"], "gold": 0},
     {"context": "def f(x):\n    return ", "choices": ["x", "None", "x + 1"], "gold": 2},
-    {"context": "Water boils at", "choices": ["100 degrees", "0 degrees"], "gold": 0},
+    # 89 bytes and BOS: longer than seq_len 64, left-truncated as lm-eval truncates
+    {"context": "Water boils at sea level, where the air pressure is one atmosphere, at a temperature of",
+     "choices": ["100 degrees", "0 degrees"], "gold": 0},
     {"context": "import numpy as", "choices": ["np", "pd"], "gold": 0},
     {"context": "The sky is", "choices": ["blue", "green", "made of cheese"], "gold": 0},
 ]
@@ -72,6 +74,12 @@ def test_in_loop_scores_equal_lm_eval(one_process, task_file, tmp_path):
     # a model after 2 steps still guesses: the log-likelihoods are far from 0 and differ between choices
     flat = [x for lls in ours["loglikelihoods"] for x in lls]
     assert max(flat) < -5 and len({round(x, 3) for x in flat}) == len(flat)
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    tb = EventAccumulator(str(run / "tensorboard"))
+    tb.Reload()
+    assert [(e.step, round(e.value, 6)) for e in tb.Scalars("eval/tiny_mc/acc_norm")] == \
+        [(2, round(ours["acc_norm"], 6))]
 
 
 def test_two_fsdp_ranks_score_as_one_process(one_process, task_file, tmp_path):
