@@ -14,8 +14,9 @@ from pathlib import Path
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description="Pretrain a language model from a config in InternLM's format.")
     p.add_argument("--config", required=True, help="Python (.py) or YAML config file")
-    p.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE",
-                   help="override config keys, e.g. --set data.total_steps=20 model.num_layers=2")
+    p.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE", action="extend",
+                   help="override config keys, e.g. --set data.total_steps=20 model.num_layers=2 (repeatable: "
+                        "every --set counts, later ones win for the same key)")
     p.add_argument("--launcher", choices=["torch", "slurm"], default=None,
                    help="how the processes were started (default: detect from the environment)")
     p.add_argument("--seed", type=int, default=None, help="seed (default: the config's `seed`)")

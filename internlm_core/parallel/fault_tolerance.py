@@ -50,6 +50,7 @@ class ReplicaGroups(Protocol):
     replica_id: int
     group_size: int    # replica groups of the job (parallel.fault_tolerance.group_size)
     participants: int  # replica groups in this step's quorum
+    error: Optional[str]  # why the last step was not committed (None: it was)
 
     def begin_step(self) -> bool:
         """Join this step's quorum; True when this group was behind and took a live peer's state."""
@@ -119,8 +120,8 @@ class TorchFTReplicas:
         self.replica_id, self.group_size, self.quorum_timeout = ft.replica_id, ft.group_size, ft.quorum_timeout
         self.lighthouse = lighthouse
         self.participants = 0
+        self.error: Optional[str] = None  # why the last step was not committed
         self._quorum_s = 0.0
-        self._uncommitted = 0  # attempts of the current step that were not committed
 
     def begin_step(self) -> bool:
         healed = self.heal.healed
@@ -155,12 +156,7 @@ class TorchFTReplicas:
         except RuntimeError as e:  # torchft: more consecutive failures than max_retries
             raise TrainingError(f"replica group {self.replica_id}: {e} "
                                 f"(parallel.fault_tolerance.max_retries)") from None
-        if committed:
-            self._uncommitted = 0
-        else:
-            self._uncommitted += 1
-            logger.warning(f"replica group {self.replica_id}: step {self.manager.current_step() + 1} not committed "
-                           f"(a peer was lost, or this group failed: {self.manager.errored()}); training it again")
+        self.error = None if committed else str(self.manager.errored() or "a peer group voted no")
         return committed
 
     def step_metrics(self) -> dict[str, float]:

@@ -20,8 +20,11 @@ from typing import Any, Callable, Iterator, Optional
 from ..config import Config
 from ..distributed import LaunchInfo
 from ..parallel.fault_tolerance import HealState, ReplicaGroups, StepNotCommitted, build_replica_groups
+from ..utils.logging import get_logger
 from .state import TrainState
 from .trainer import Trainer
+
+logger = get_logger(__name__)
 
 # registered Statefuls a healing group keeps its own of: each group logs to its own tracker runs
 NOT_HEALED = ("trackers",)
@@ -57,6 +60,8 @@ class ReplicatedTrainer(Trainer):
         if not self.replicas.commit():
             self.optimizer.zero_grad(set_to_none=True)
             self._redo = True
+            logger.warning(f"replica group {self.replicas.replica_id}: step {self.state.batch_count} not committed "
+                           f"({self.replicas.error}); training it again")
             raise StepNotCommitted(f"step {self.state.batch_count} of replica group {self.replicas.replica_id}")
         return super().optimizer_step()
 

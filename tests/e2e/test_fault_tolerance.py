@@ -15,18 +15,19 @@ from tests.helpers.ft import Lighthouse, kill_group, start_group, train_records,
 pytest.importorskip("torchft", reason="parallel.fault_tolerance needs torchft (requirements-dev.txt)")
 pytestmark = pytest.mark.slow
 
-STEPS = 20
+STEPS = 16
+KILL_AT = 6
 
 
-def group_args(run: Path, replica_id: int, lighthouse: str, *extra: str) -> list[str]:
+def group_args(run: Path, replica_id: int, lighthouse: str, die_at: int = 0) -> list[str]:
     """ft_driver.py: 0.05 s between steps with both groups in the quorum, 0.4 s alone (time for group 1 to come
-    back before the end), then train.py's arguments."""
-    return ["0.05", "0.4", "--", "--config", "configs/tiny.py", "--run-dir", str(run), "--set",
+    back before the end), SIGKILLed after the backward of step `die_at` (0: never); then train.py's arguments."""
+    return ["0.05", "0.4", str(die_at), "--", "--config", "configs/tiny.py", "--run-dir", str(run), "--set",
             f"data.total_steps={STEPS}", "data.seq_len=64", "data.micro_num=1", "data.valid_every=0",
             "monitor.tensorboard=False", "monitor.log_every=100", "parallel.fault_tolerance.enable=True",
             f"parallel.fault_tolerance.replica_id={replica_id}", "parallel.fault_tolerance.group_size=2",
             f"parallel.fault_tolerance.lighthouse={lighthouse}", "parallel.fault_tolerance.timeout=10",
-            "parallel.fault_tolerance.quorum_timeout=30", *extra]
+            "parallel.fault_tolerance.quorum_timeout=30"]
 
 
 def digest(run: Path, rank: int) -> dict:
@@ -37,17 +38,15 @@ def test_a_killed_group_leaves_the_other_training_and_heals_from_it_on_return(tm
     lighthouse = Lighthouse(tmp_path / "lighthouse.log")
     g0_run, g1_run, g1_again = tmp_path / "group0", tmp_path / "group1", tmp_path / "group1-again"
     try:
-        # group 0 first (so that it is the one the others heal from at their start), then group 1 joins it
+        # group 0 first (the others heal from it at their start), then group 1 joins it ...
         group0 = start_group(0, 2, group_args(g0_run, 0, lighthouse.url))
         wait_for(lambda: train_records(g0_run), 120, "group 0's first step", group0)
-        group1 = start_group(1, 2, group_args(g1_run, 1, lighthouse.url))
-        # both groups train together for a few steps, then group 1 is lost in the middle of the run
-        wait_for(lambda: any(r["ft/participants"] == 2 and r["step"] >= 4 for r in train_records(g1_run)), 120,
-                 "group 1 at step 4 with both groups in the quorum", group0 + group1)
-        kill_group(group1)
-        killed_at = train_records(g1_run)[-1]["step"]
-        wait_for(lambda: any(r["ft/participants"] == 1 for r in train_records(g0_run)), 60,
-                 "group 0 stepping alone", group0)
+        # ... and its ranks are SIGKILLed in the middle of step KILL_AT, while group 0 waits for their gradients
+        group1 = start_group(1, 2, group_args(g1_run, 1, lighthouse.url, die_at=KILL_AT))
+        codes1, out1 = wait_group(group1, 120)
+        assert all(c not in (0, None) for c in codes1), out1[-4000:]
+        wait_for(lambda: any(r["ft/participants"] == 1 and r["step"] >= KILL_AT for r in train_records(g0_run)), 60,
+                 "group 0 stepping alone after the kill", group0)
         group1 = start_group(1, 2, group_args(g1_again, 1, lighthouse.url))
         codes0, out0 = wait_group(group0, 120)
         codes1, out1 = wait_group(group1, 120)
@@ -56,22 +55,25 @@ def test_a_killed_group_leaves_the_other_training_and_heals_from_it_on_return(tm
     assert codes0 == [0, 0], out0[-6000:]
     assert codes1 == [0, 0], out1[-6000:]
 
-    # group 0: every step once, in order, no restart; alone after the kill, with group 1 again at the end
+    # group 0: every step once, in order, no restart; the step group 1 died in was trained again without it
     recs0 = train_records(g0_run)
     assert [r["step"] for r in recs0] == list(range(1, STEPS + 1))
-    assert not [r for r in map(json.loads, (g0_run / "metrics.jsonl").read_text().splitlines())
-                if r["kind"] == "restart"]
-    together = [r["ft/participants"] for r in recs0]
-    alone = [i for i, n in enumerate(together) if n == 1 and i + 1 > killed_at]
-    assert alone and together[-1] == 2, together
-    assert all(r["ft/heals"] == 0 for r in recs0[alone[0]:])  # the live group never took anyone's state
+    assert all(r["kind"] == "train" for r in map(json.loads, (g0_run / "metrics.jsonl").read_text().splitlines()))
+    assert {r["ft/participants"] for r in recs0[:KILL_AT - 1]} == {1, 2}  # alone at first, then with group 1
+    assert recs0[KILL_AT - 1]["ft/participants"] == 1 and recs0[-1]["ft/participants"] == 2
+    assert all(r["ft/heals"] == 0 for r in recs0)  # the live group never took anyone's state
+    for rank in (0, 1):
+        log = (g0_run / f"rank{rank}.log").read_text()
+        assert f"replica group 0: step {KILL_AT} not committed" in log and "training it again" in log
+    # group 1 before the kill: healed from group 0 at its start, stepped with it, never reached step KILL_AT
+    recs1 = train_records(g1_run)
+    assert recs1 and recs1[0]["ft/heals"] == 1 and recs1[-1]["step"] == KILL_AT - 1
 
     # group 1 again: healed from group 0 (no checkpoint was saved anywhere), then stepped on from there
     recs1 = train_records(g1_again)
     first = recs1[0]["step"]
-    assert first > alone[0] + 1 and [r["step"] for r in recs1] == list(range(first, STEPS + 1))
-    assert recs1[0]["ft/heals"] >= 1
-    assert not list(tmp_path.rglob("COMPLETE"))
+    assert first > KILL_AT and [r["step"] for r in recs1] == list(range(first, STEPS + 1))
+    assert recs1[0]["ft/heals"] == 1 and not list(tmp_path.rglob("COMPLETE"))
 
     # the same weights and optimizer state, bit for bit, on each rank of both groups
     for rank in (0, 1):
