@@ -80,19 +80,34 @@ def write_task_yaml(folder: Path, name: str, path: str, target_delimiter: str) -
     (folder / f"{name}.yaml").write_text(yaml.safe_dump(task, sort_keys=False))
 
 
-def hf_folder(checkpoint: str, dtype: str, tmp: Path) -> tuple[str, object]:
-    """(Hugging Face folder, the run's config or None): the folder itself, or an export of the checkpoint."""
-    if (Path(checkpoint) / "config.json").is_file():
-        return checkpoint, None
-    from internlm_core.checkpoint.catalog import checkpoint_config, local_checkpoint
+def is_hf_folder(checkpoint: str) -> bool:
+    """A Hugging Face folder (config.json), not a checkpoint of train.py."""
+    return (Path(checkpoint) / "config.json").is_file()
+
+
+def hf_folder(checkpoint: str, dtype: str, tmp: Path) -> str:
+    """The Hugging Face folder itself, or an export of the checkpoint into `tmp` (with the run's tokenizer)."""
+    if is_hf_folder(checkpoint):
+        return checkpoint
     from internlm_core.checkpoint.hf import export_checkpoint
 
-    with local_checkpoint(checkpoint, False) as (folder, _):
-        cfg = checkpoint_config(folder)
     out = tmp / "hf"
     print(f"exporting {checkpoint} to a Hugging Face folder ({dtype})", flush=True)
     export_checkpoint(checkpoint, out, dtype=dtype, progress=lambda msg: print(f"  {msg}", flush=True))
-    return str(out), cfg
+    return str(out)
+
+
+def run_tasks(checkpoint: str) -> list[str]:
+    """NAME=PATH of the evaluation.tasks recorded in a checkpoint's config."""
+    if is_hf_folder(checkpoint):
+        raise ConfigError("--tasks: none given (a Hugging Face folder records no evaluation.tasks)")
+    from internlm_core.checkpoint.catalog import checkpoint_config, local_checkpoint
+
+    with local_checkpoint(checkpoint, False) as (folder, _):
+        tasks = checkpoint_config(folder).evaluation.tasks
+    if not tasks:
+        raise ConfigError(f"--tasks: none given, and the config of {checkpoint} names no evaluation.tasks")
+    return [f"{t['name']}={t['path']}" for t in tasks]
 
 
 def summarize(results: dict, names: list[str]) -> dict:
@@ -134,13 +149,9 @@ def main(argv=None) -> int:
     os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     t0 = time.perf_counter()
+    tasks = task_files(args.tasks if args.tasks is not None else run_tasks(args.checkpoint))
     with tempfile.TemporaryDirectory(prefix="evaluate-") as tmp:
-        hf, cfg = hf_folder(args.checkpoint, args.dtype, Path(tmp))
-        if args.tasks is None:
-            if cfg is None or not cfg.evaluation.tasks:
-                raise ConfigError("--tasks: none given, and the checkpoint names no evaluation.tasks")
-            args.tasks = [f"{t['name']}={t['path']}" for t in cfg.evaluation.tasks]
-        tasks = task_files(args.tasks)
+        hf = hf_folder(args.checkpoint, args.dtype, Path(tmp))
         results = run_lm_eval(hf, tasks, args, Path(tmp))
         import lm_eval
 
