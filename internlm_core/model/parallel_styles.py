@@ -9,7 +9,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, distribute_module
+from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Shard, distribute_module
 from torch.distributed.tensor.parallel import RowwiseParallel
 from torch.distributed.tensor.parallel.style import ParallelStyle
 
@@ -27,6 +27,23 @@ class ReplicateParallel(ParallelStyle):
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         def to_dtensor(mod, inputs, mesh):
             return tuple(DTensor.from_local(x, mesh, (Replicate(),), run_check=False)
+                         if isinstance(x, torch.Tensor) and not isinstance(x, DTensor) else x for x in inputs)
+
+        def to_local(mod, outputs, mesh):
+            return outputs.to_local() if isinstance(outputs, DTensor) else outputs
+
+        return distribute_module(module, device_mesh, None, input_fn=to_dtensor, output_fn=to_local)
+
+
+class HeadShardedNorm(ParallelStyle):
+    """A norm over the last dim of per-head tensors [B, T, heads, D] whose heads are split over the mesh (q and k
+    out of column-parallel projections: Qwen3's q/k norms): the weight replicated, the input taken as Shard(2)
+    (its heads), so each rank normalizes its own heads and the weight's gradient is the sum over every rank's
+    heads (Partial, as the sequence-parallel norms'); inputs and outputs stay plain tensors."""
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        def to_dtensor(mod, inputs, mesh):
+            return tuple(DTensor.from_local(x, mesh, (Shard(2),), run_check=False)
                          if isinstance(x, torch.Tensor) and not isinstance(x, DTensor) else x for x in inputs)
 
         def to_local(mod, outputs, mesh):

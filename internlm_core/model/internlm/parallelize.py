@@ -30,7 +30,7 @@ from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInp
 from torch.distributed.tensor.parallel.style import ParallelStyle
 
 from ...errors import ConfigError
-from ..parallel_styles import ReplicateParallel, VocabParallelEmbedding, stage_layers
+from ..parallel_styles import HeadShardedNorm, ReplicateParallel, VocabParallelEmbedding, stage_layers
 from ..spec import ParallelPlan, StageShapes, TensorParallelOptions
 
 
@@ -97,6 +97,8 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, options: Tensor
         model.output.weight = model.tok_embeddings.weight
     for layer in model.layers.values():
         plan = layer_plan(layer, options.sequence_parallel) if layer_plan else block_plan(options.sequence_parallel)
+        if getattr(layer.attention, "q_norm", None) is not None:  # model.qk_norm: each rank normalizes its heads
+            plan = {**plan, "attention.q_norm": HeadShardedNorm(), "attention.k_norm": HeadShardedNorm()}
         parallelize_module(layer, tp_mesh, plan)
     if options.compile and model.tok_embeddings is not None:
         model.tok_embeddings.register_forward_hook(_copy_output)
