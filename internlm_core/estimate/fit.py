@@ -239,10 +239,13 @@ def check_memory(cfg: Config, world_size: int, rank: int, device: torch.device, 
             r.free, r.source = r.free / local, f"{r.source} {size(r.free)} / {local} ranks on {r.host}"
     worst = max(ranks, key=lambda r: r.need / max(r.free, 1.0))
     verdict = worst.verdict
+    where = f"rank {worst.rank}" if len(ranks) > 1 else "this process"
     if verdict == "fits":
+        if rank == 0:
+            logger.info(f"memory: the estimator puts {where} at {size(worst.need)} per device, {size(worst.free)} "
+                        f"is free ({worst.source})")
         return worst
     layouts = fitting_layouts(cfg, world_size, device_type, worst.free, kernels)
-    where = f"rank {worst.rank}" if len(ranks) > 1 else "this process"
     head = (f"memory: the estimator puts {where} at {size(worst.need)} per device ({device_type}, "
             f"+/-{ESTIMATE_MARGIN:.0%}) but {size(worst.free)} is free ({worst.source}); ")
     fits = ("layouts that fit: " + "; ".join(layouts)) if layouts else "no layout tried fits (up to 1024x the devices)"
