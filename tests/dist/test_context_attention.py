@@ -5,8 +5,10 @@ runs `context_attention`; its output and its chunk's dq / dk / dv must equal the
 (`blocked_causal_attention` under the document masks, autograd) at the chunk's positions, fp32 to 1e-5. Cases:
 rows of many short documents and rows of one document, grouped-query attention (4 query heads over 2 and 1 k/v
 heads: the all-to-all over 4 ranks repeats them), the bytes each rank counted equal `predicted_context_bytes`.
-2 ranks: ring and all_to_all, and the InternLM Transformer under `set_context_parallel` against the same model on
-whole rows (logits and every parameter's gradient summed over the ranks). 4 ranks: ring, all_to_all and 2d
+2 ranks: ring and all_to_all (their forward also under the device audit, as if on CUDA: a host tensor in a collective
+fails), and
+the InternLM Transformer under `set_context_parallel` against the same model on whole rows (logits and every
+parameter's gradient summed over the ranks). 4 ranks: ring, all_to_all and 2d
 (2 x 2) over the world, and ring / all_to_all over 2-rank groups {0, 2} and {1, 3} of the 4.
 """
 
@@ -68,7 +70,10 @@ def reference(q, k, v, dout, doc):
     return (out.detach(), *torch.autograd.grad((out * dout).sum(), (q, k, v)))
 
 
-def check_attention(ctx, layout: str, hkv: int, tag: str) -> None:
+def check_attention(ctx, layout: str, hkv: int, tag: str, device=None) -> None:
+    """device: the device audit's (tests/helpers/device_audit.py): every tensor a collective gets must be on it;
+    forward only there (autograd's saved tensors come back unmarked, which the backward's shifts would refuse; they
+    send buffers made like the forward's)."""
     import torch
     from internlm_core.model.context import (build_context_meta, context_attention, pop_context_bytes,
                                              predicted_context_bytes, zigzag_indices)
@@ -80,13 +85,18 @@ def check_attention(ctx, layout: str, hkv: int, tag: str) -> None:
     doc = documents(layout, B, T, seed=C)
     want = reference(q, k, v, dout, doc)
     zig = zigzag_indices(T, C, ctx.rank)
-    ql, kl, vl = (x[:, zig].clone().requires_grad_() for x in (q, k, v))
+    device = device or torch.device("cpu")
+    ql, kl, vl = (x[:, zig].to(device).requires_grad_() for x in (q, k, v))
     pop_context_bytes()
-    meta = build_context_meta(ctx, doc[:, zig], B, T // C, torch.device("cpu"))
+    ids = doc[:, zig] if device.type == "cpu" else doc[:, zig].to(device)  # the audit cannot pin host memory
+    meta = build_context_meta(ctx, ids, B, T // C, device)
     out = context_attention(ql, kl, vl, meta)
+    if device.type != "cpu":
+        torch.testing.assert_close(out.cpu(), want[0][:, zig], **TOL, msg=lambda m: f"{tag} {layout}: {m}")
+        return
     (out * dout[:, zig]).sum().backward()
     for name, got, ref in zip(("out", "dq", "dk", "dv"), (out, ql.grad, kl.grad, vl.grad), want):
-        torch.testing.assert_close(got, ref[:, zig], **TOL, msg=lambda m: f"{tag} {layout} hkv={hkv} {name}: {m}")
+        torch.testing.assert_close(got.cpu(), ref[:, zig], **TOL, msg=lambda m: f"{tag} {layout} hkv={hkv} {name}: {m}")
     sent = pop_context_bytes()
     expect = predicted_context_bytes(ctx.mode, C, ctx.inner, B, T, H, hkv, D, 4, layers=1)
     assert sent[ctx.mode] == expect > 0, (tag, sent, expect)
@@ -154,6 +164,10 @@ def main(nproc: int) -> None:
             check_attention(ctx, layout, hkv, tag)
     if nproc == 2:
         check_model(contexts[0])
+        from tests.helpers.device_audit import audit_devices
+        with audit_devices("cuda") as device:  # every tensor of every collective on the run's device
+            for ctx in contexts:
+                check_attention(ctx, "short", 2, f"{ctx.mode} audited", device)
     print(f"rank {rank}: ok")
 
 

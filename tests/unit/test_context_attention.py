@@ -114,6 +114,8 @@ def test_the_plan_skips_future_blocks_and_other_documents():
     t = token_set(torch.arange(T), doc)
     plan = plan_blocks(t, t, block=16)
     assert plan.blocks == [(0, 16, [(0, 16)]), (16, 32, [(0, 32)]), (32, 48, [(32, 48)]), (48, 64, [(32, 64)])]
+    one = token_set(torch.arange(T), torch.zeros(1, T, dtype=torch.int64))
+    assert plan_blocks(one, one, block=16, range_keys=32).blocks[-1] == (48, 64, [(0, 32), (32, 64)])  # capped
     shuffled = token_set(torch.cat([torch.arange(48, 64), torch.arange(0, 16)]), torch.zeros(1, 32, dtype=torch.int64))
     assert plan_blocks(shuffled, shuffled, window=8, block=16).blocks == [(0, 16, [(0, 16)]), (16, 32, [(16, 32)])]
 

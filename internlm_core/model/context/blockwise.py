@@ -30,6 +30,9 @@ import torch
 
 # rows of a query block and of a key block (the unit of skipping)
 BLOCK = 256
+# keys of one range at most: a query block's fp32 scores and their temporaries stay [rows, RANGE_KEYS] per head
+# whatever the sequence length
+RANGE_KEYS = 4 * BLOCK
 
 
 @dataclass
@@ -80,10 +83,11 @@ def _stats(t: TokenSet, blocks: list[tuple[int, int]]) -> tuple[torch.Tensor, ..
     return t.index_host[starts], t.index_host[ends - 1], lo, hi
 
 
-def plan_blocks(q: TokenSet, k: TokenSet, window: Optional[int] = None, block: int = BLOCK) -> Plan:
+def plan_blocks(q: TokenSet, k: TokenSet, window: Optional[int] = None, block: int = BLOCK,
+                range_keys: int = RANGE_KEYS) -> Plan:
     """Which key blocks each query block needs: a pair is skipped when every key is in the future of every query,
     beyond the window, or when no row has a document in both (document intervals disjoint). Adjacent needed key
-    blocks are merged into one range."""
+    blocks are merged into ranges of at most `range_keys` keys."""
     qb, kb = _blocks(q.index_host, block), _blocks(k.index_host, block)
     if not qb or not kb:
         return Plan([], window)
@@ -98,7 +102,7 @@ def plan_blocks(q: TokenSet, k: TokenSet, window: Optional[int] = None, block: i
         ranges: list[tuple[int, int]] = []
         for j in torch.nonzero(need[i]).flatten().tolist():
             ks, ke = kb[j]
-            if ranges and ranges[-1][1] == ks:
+            if ranges and ranges[-1][1] == ks and ke - ranges[-1][0] <= range_keys:
                 ranges[-1] = (ranges[-1][0], ke)
             else:
                 ranges.append((ks, ke))

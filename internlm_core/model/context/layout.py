@@ -161,7 +161,9 @@ def _global_documents(context: ContextGroup, local: torch.Tensor) -> torch.Tenso
     C, T = context.size, Tl * context.size
     if C == 1:
         return local
-    parts = [torch.empty_like(local) for _ in range(C)]
+    # filled with the local ids, not empty: under a simulated job's fake process group, which moves nothing, every
+    # chunk then looks like this one (whole documents, the real work) instead of uninitialized ids
+    parts = [local.clone() for _ in range(C)]
     collectives.all_gather(parts, local.contiguous(), group=context.group)
     count_bytes("layout", local.numel() * local.element_size() * (C - 1))
     out = torch.empty((B, T), dtype=local.dtype, device=local.device)
