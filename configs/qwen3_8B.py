@@ -1,0 +1,54 @@
+# Qwen3-8B's shape (Qwen/Qwen3-8B config.json): 36 layers, hidden 4096, 32 query heads and 8 key/value heads of 128
+# channels, RMSNorm on q and k over each head (qk_norm), no bias, SwiGLU width 12288, 151,936-token vocabulary
+# (untied), rope base 1e6, RMSNorm eps 1e-6. HF class Qwen3ForCausalLM. 8,190,735,360 parameters.
+JOB_NAME = 'qwen3_8B_train'
+SEQ_LEN = 4096
+MICRO_NUM = 4
+LR = 3e-4
+
+ckpt = dict(
+    enable_save_ckpt=False,  # set True to save checkpoints
+    save_ckpt_folder="local:llm_ckpts",
+    # import the published weights: load_ckpt_info=dict(path=HF_FOLDER, content=("model",), ckpt_type="hf"),
+    auto_resume=True,
+    checkpoint_every=50,
+)
+
+data = dict(
+    seq_len=SEQ_LEN,
+    micro_num=MICRO_NUM,  # micro-batches per step (gradient accumulation)
+    micro_bsz=1,  # sequences packed into one micro-batch row
+    valid_every=0,
+    total_steps=50000,
+    min_length=50,
+    train_folder=None,  # e.g. "/path/to/tokenized/train/"
+)
+
+loss = dict(label_smoothing=0)
+
+adam = dict(lr=LR, adam_beta1=0.9, adam_beta2=0.95, adam_eps=1e-8, weight_decay=0.1)
+lr_scheduler = dict(warmup_ratio=0.01, eta_min=LR / 10)
+hybrid_zero_optimizer = dict(clip_grad_norm=1.0)
+
+model_type = "QWEN3"
+model = dict(
+    num_layers=36,
+    hidden_size=4096,
+    num_attention_heads=32,
+    num_kv_attention_heads=8,
+    head_dim=128,
+    qk_norm=True,
+    intermediate_size=12288,
+    vocab_size=151936,
+    rope_base=1000000.0,
+    layer_norm_epsilon=1e-6,
+    checkpoint=True,  # activation checkpointing
+    dtype="torch.bfloat16",
+    use_flash_attn=True,
+)
+
+parallel = dict(
+    zero1=-1,
+    tensor=1,
+    pipeline=1,
+)
