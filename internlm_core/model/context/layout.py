@@ -25,7 +25,7 @@ import torch.distributed as dist
 
 from ...utils import collectives
 from ...utils.transfer import to_device
-from .blockwise import Plan, TokenSet, plan_blocks
+from .blockwise import Plan, TokenSet, plan_blocks, tile_sizes
 from .counters import count_bytes
 
 MODES = ("ring", "all_to_all", "2d")
@@ -201,7 +201,7 @@ def build_context_meta(context: ContextGroup, document_ids: Optional[torch.Tenso
     groups = [context.a2a_order(g) for g in range(n)]  # context ranks of each outer group, in all-to-all order
     query = _tokens(groups[o], T, C, doc, doc_host)
     sources = [query] + [_tokens(groups[(o - s) % n], T, C, doc, doc_host) for s in range(1, n)]
-    plans = [plan_blocks(query, src, window) for src in sources]
+    plans = [plan_blocks(query, src, window, *tile_sizes(doc.device)) for src in sources]
     ring = None
     if n > 1:
         ring = RingPeers(context.group, n, next=context.global_rank(((o + 1) % n) * a + i),
