@@ -35,11 +35,6 @@ def groups(names: Iterable[str]) -> dict[str, list[str]]:
     return out
 
 
-def meta_shapes(sd: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Meta tensors of the global shapes (DTensor shapes are global) and dtypes of a state dict."""
-    return {k: torch.empty(tuple(v.shape), dtype=v.dtype, device="meta") for k, v in sd.items()}
-
-
 def find_adapter(model_type: Optional[str], fmt: str, architecture: Optional[str] = None,
                  where: str = "") -> StateDictAdapter:
     """The adapter of family `model_type` (any registered family when None) for format `fmt` ("hf", "internlm")
@@ -76,13 +71,6 @@ def check_model_keys(args: Any, keys: Mapping[str, Any], source: str, what: str,
     diff = [f"{k}: model {v} vs {source} {keys[k]}" for k, v in ours.items() if k in keys and keys[k] != v]
     if diff:
         raise CheckpointError(f"the model does not match {what} ({'; '.join(diff)})" + (f"; {hint}" if hint else ""))
-
-
-def distributed_model(model: torch.nn.Module) -> bool:
-    """True when some parameter of `model` is a DTensor (FSDP2, tensor or expert parallel)."""
-    from torch.distributed.tensor import DTensor
-
-    return any(isinstance(p, DTensor) for p in model.parameters())
 
 
 # ---------------------------------------------------------------------------------------------------------
