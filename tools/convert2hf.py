@@ -1,4 +1,4 @@
-"""Export an internlm-core checkpoint as a Hugging Face Llama folder (config.json, safetensors, tokenizer).
+"""Export an internlm-core checkpoint as a Hugging Face folder (config.json, safetensors, tokenizer).
 
     python tools/convert2hf.py CKPT_DIR OUT_DIR                      # dtype of the run, tokenizer of the run
     python tools/convert2hf.py CKPT_DIR OUT_DIR --dtype float32 --max-shard-size 2GB
@@ -9,9 +9,10 @@ CKPT_DIR is one checkpoint written by training (any data/tensor/pipeline layout)
 
     AutoModelForCausalLM.from_pretrained(OUT_DIR); AutoTokenizer.from_pretrained(OUT_DIR)
 
-Every model type exports to LlamaForCausalLM by default: INTERNLM (v1) with attention_bias=true (q/k/v/o bias),
-INTERNLM2 / LLAMA with num_key_value_heads for grouped-query attention. `--hf-arch` writes a family's own class
-instead, as InternLM's converters do (their remote modelling code reads it, with trust_remote_code=True):
+INTERNLM, INTERNLM2, LLAMA and LLAMA3 export to LlamaForCausalLM by default: INTERNLM (v1) with attention_bias=true
+(q/k/v/o bias), the others with num_key_value_heads for grouped-query attention; the other families to their own
+class (QWEN2: Qwen2ForCausalLM, QWEN3, MISTRAL, MIXTRAL, QWEN3_MoE likewise). `--hf-arch` writes a family's own
+class instead, as InternLM's converters do (their remote modelling code reads it, with trust_remote_code=True):
 
     python tools/convert2hf.py CKPT_DIR OUT_DIR --hf-arch internlm     # InternLMForCausalLM (INTERNLM models)
     python tools/convert2hf.py CKPT_DIR OUT_DIR --hf-arch internlm2    # InternLM2ForCausalLM, packed wqkv
@@ -30,7 +31,7 @@ from internlm_core.errors import InternLMCoreError  # noqa: E402
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description="Export an internlm-core checkpoint as a Hugging Face Llama folder.")
+    p = argparse.ArgumentParser(description="Export an internlm-core checkpoint as a Hugging Face folder.")
     p.add_argument("ckpt_dir", metavar="CKPT_DIR",
                    help="a checkpoint folder written by train.py (e.g. llm_ckpts/200), or the save_ckpt_folder "
                         "(its newest complete checkpoint is taken); local or s3://bucket/prefix")
@@ -44,9 +45,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--tokenizer", default="config",
                    help="'config' (default: the run's `tokenizer` key), 'none', 'byte', a SentencePiece .model "
                         "or a tokenizer.json")
-    p.add_argument("--hf-arch", choices=["llama", "internlm", "internlm2", "native"], default="llama",
-                   help="Hugging Face class: llama (LlamaForCausalLM, default), internlm (InternLMForCausalLM), "
-                        "internlm2 (InternLM2ForCausalLM), native (the model family's own)")
+    p.add_argument("--hf-arch", default=None,
+                   help="Hugging Face class, by its config.json model_type: llama (LlamaForCausalLM; the default "
+                        "of the families that have that form), internlm, internlm2, qwen2, qwen3, mistral, mixtral, "
+                        "qwen3_moe, ... or native (the model family's own; the default of the others)")
     p.add_argument("--allow-incomplete", action="store_true",
                    help="read a DCP folder that has no COMPLETE marker (interrupted, or not written by train.py)")
     return p.parse_args(argv)
