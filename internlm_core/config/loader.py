@@ -416,7 +416,8 @@ def _check_layout(cfg: Config, world_size: int | None) -> None:
     dp = world_size // (tp_pp * p.context.size)
     if p.zero1 > 1 and dp % p.zero1:
         raise ConfigError(f"parallel.zero1 ({p.zero1}) must divide the data-parallel size ({dp} = world size "
-                          f"{world_size} / (tensor {p.tensor} * pipeline {p.pipeline} * context {p.context.size}))")
+                          f"{world_size} / (tensor {p.tensor} * pipeline {p.pipeline}"
+                          + (f" * context {p.context.size}))" if p.context.size > 1 else "))"))
 
 
 def load_config(path: str | Path, overrides: Iterable[str] = (), world_size: int | None = None) -> Config:

@@ -14,7 +14,8 @@ from ..numerics.precision import resolve_precision
 from ..utils.accelerators import WORKING, onednn_linear_available
 from .activations import TokenBytes, fused_forward_chunks, stage_activations, token_bytes
 from .communication import fsdp_communication
-from .figures import DEFAULT_MFU, DEFAULT_PEAK_TFLOPS, GiB, PRECISIONS, Communication, Estimate, Layout
+from .figures import (DEFAULT_MFU, DEFAULT_PEAK_TFLOPS, GiB, PRECISIONS, Communication, Estimate, Layout,
+                      cuda_runtime_bytes)
 from .memory import StageContext, pick_stage
 from .terms import ModelFigures, divisor
 
@@ -60,7 +61,7 @@ def stage_context(cfg: Config, lay: Layout, figures: ModelFigures, precision: st
     d = cfg.data
     layers = cfg.model.num_layers // lay.pp
     autocast = precision == "internlm_core" and comp == 2
-    tokens = d.micro_bsz * d.seq_len
+    tokens = d.micro_bsz * d.seq_len // lay.cp  # this rank's zigzag chunk under context parallel
     checkpointed = checkpointed_blocks(cfg, layers)
     return StageContext(
         lay=lay, precision=precision, autocast=autocast, comp=comp, micro_num=d.micro_num, layers=layers,
@@ -105,13 +106,16 @@ def estimate(cfg: Config, world_size: int = 1, precision: str = "internlm_core",
                             # torch's RMSNorm keeps input and normalized output on CPU (composite), the input
                             # only on CUDA (fused kernel, InternLM's apex norm)
                             norm_tensors=2 if (precision == "internlm_core" and device == "cpu") else 1,
-                            autocast=precision == "internlm_core" and comp == 2, attention=k.attention,
-                            packed_documents=not d.pack_sample_into_one)
+                            autocast=precision == "internlm_core" and comp == 2,
+                            # context parallel: model/context's blockwise core keeps what flash-attn keeps (q, k,
+                            # v, output, log-sum-exp) and no mask; its per-block transients are small
+                            attention="flash" if lay.cp > 1 else k.attention,
+                            packed_documents=not d.pack_sample_into_one, repeat_kv=device == "cuda")
     tb = token_bytes(figures, args, ctx, lay, k.cross_entropy, d.micro_num)
-    tokens = d.micro_bsz * d.seq_len
+    tokens = d.micro_bsz * d.seq_len // lay.cp
     vocab = figures.counts.logits(args)
     c = stage_context(cfg, lay, figures, precision, comp, k, tb, fused_forward_chunks(
-        k.cross_entropy, vocab.value / divisor(vocab.shard, lay.sizes), d.micro_bsz * d.seq_len, device))
+        k.cross_entropy, vocab.value / divisor(vocab.shard, lay.sizes), tokens, device))
     acts = stage_activations(tb, lay, c.layers, c.checkpointed, d.micro_num, tokens)
     mem = pick_stage(c, acts, tb.shared, pipeline_rank)
     if device == "cpu":
@@ -128,11 +132,30 @@ def estimate(cfg: Config, world_size: int = 1, precision: str = "internlm_core",
     e = Estimate(cfg=cfg, layout=lay, precision=precision, attention=k.attention, cross_entropy=k.cross_entropy,
                  grad_reduce=k.grad_reduce, parameters=figures.total, nonembedding_parameters=figures.total - embed,
                  model_flops_per_token=model_fpt, hardware_flops_per_token=hw_fpt,
-                 tokens_per_step=tokens * d.micro_num * lay.dp, memory=mem, mfu=mfu, peak_flops=peak_tflops * 1e12,
+                 tokens_per_step=d.micro_bsz * d.seq_len * d.micro_num * lay.data, memory=mem, mfu=mfu,
+                 peak_flops=peak_tflops * 1e12,
                  device_memory=device_memory_gib * GiB if device_memory_gib else None, communication=comm,
-                 linear=k.linear, model_communication=model_comm)
+                 linear=k.linear, model_communication=model_comm,
+                 context_bytes=context_exchange_bytes(cfg, lay, comp, c.layers))
+    if device == "cuda":
+        e.device_runtime = cuda_runtime_bytes(lay)
     e.notes = notes(e, c, acts.in_flight, pipeline_rank)
     return e
+
+
+def context_exchange_bytes(cfg: Config, lay: Layout, comp: int, layers: int) -> float:
+    """Bytes one context rank sends per step for attention: model/context's count of one micro-batch's forward and
+    backward through the stage's layers, times the micro-batches (0 without context parallel). Not counted: the
+    forwards activation checkpointing repeats, and the all-gather of the document ids (a few bytes per token)."""
+    if lay.cp == 1:
+        return 0.0
+    from ..model.context import predicted_context_bytes  # context-parallel runs only
+    m, d = cfg.model, cfg.data
+    kv = m.num_kv_attention_heads or m.num_attention_heads
+    head_dim = getattr(m, "head_dim", None) or m.hidden_size // m.num_attention_heads
+    one = predicted_context_bytes(lay.cp_mode, lay.cp, lay.cp_inner, d.micro_bsz, d.seq_len,
+                                  m.num_attention_heads // lay.tp, max(kv // lay.tp, 1), head_dim, comp, layers)
+    return float(one * d.micro_num)
 
 
 def notes(e: Estimate, c: StageContext, in_flight: float, pipeline_rank: Optional[int]) -> list[str]:
@@ -178,4 +201,8 @@ def notes(e: Estimate, c: StageContext, in_flight: float, pipeline_rank: Optiona
                    f"sizes; (n-1)/n of them cross the wire; comm/* metrics measure them)")
     for name, b in e.model_communication.items():
         out.append(f"{name}: {b / GiB:.2f} GiB per step (the family's own collectives)")
+    if lay.cp > 1:
+        out.append(f"context parallel {lay.cp} ({lay.cp_mode}): each rank holds {d.seq_len // lay.cp:,} tokens of "
+                   f"every sequence (activations / {lay.cp}) and sends {e.context_bytes / GiB:.2f} GiB per step in "
+                   f"the attention's exchanges (model/context's count)")
     return out

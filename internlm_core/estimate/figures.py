@@ -16,7 +16,10 @@ DEFAULT_MFU = 0.5
 @dataclass
 class Layout:
     """How the devices split the work: world = dp * tp * pp; zero1 shards within dp. dims: the sizes of the
-    parallel dimensions the family's plan adds (`ParallelPlan.mesh_dims`, by mesh name), carved out of dp_shard."""
+    parallel dimensions the family's plan adds (`ParallelPlan.mesh_dims`, by mesh name), carved out of dp_shard.
+    cp: context parallel (parallel.context.size). FSDP treats its ranks as data-parallel ones, so `dp` and
+    `dp_shard` count them (what FSDP reduces and shards over: dp x cp, dp_shard x cp); `data` is the data-parallel
+    size proper (the ranks reading different rows), and each rank holds 1/cp of every sequence's tokens."""
 
     world_size: int
     tp: int
@@ -26,26 +29,37 @@ class Layout:
     num_chunks: int
     sequence_parallel: bool
     dims: dict[str, int] = field(default_factory=dict)
+    cp: int = 1
+    cp_mode: str = "ring"  # parallel.context.mode / inner
+    cp_inner: int = 1
 
     @classmethod
     def from_config(cls, cfg: Config, world_size: int, plan: Any = None) -> "Layout":
         p = cfg.parallel
-        dp = max(world_size // (p.tensor * p.pipeline), 1)
+        cp = p.context.size
+        dp = max(world_size // (p.tensor * p.pipeline * cp), 1)
         shard = dp if p.zero1 <= 0 else 1 if p.zero1 == 1 else min(p.zero1, dp)
-        return cls(world_size, p.tensor, p.pipeline, dp, shard, cfg.model.num_chunks, p.sequence_parallel,
-                   family_dims(cfg, plan, shard))
+        return cls(world_size, p.tensor, p.pipeline, dp * cp, shard * cp, cfg.model.num_chunks, p.sequence_parallel,
+                   family_dims(cfg, plan, shard), cp=cp, cp_mode=p.context.mode, cp_inner=p.context.inner)
+
+    @property
+    def data(self) -> int:
+        """Data-parallel ranks proper: each reads its own rows (context ranks share theirs)."""
+        return self.dp // self.cp
 
     @property
     def sizes(self) -> dict[str, int]:
         """The size of every mesh dimension a count may be divided by (model/counts.py)."""
-        return {"tp": self.tp, "sp": self.tp if self.sequence_parallel else 1, **self.dims}
+        return {"tp": self.tp, "sp": self.tp if self.sequence_parallel else 1, "cp": self.cp, **self.dims}
 
     def describe(self) -> str:
-        rep = self.dp // self.dp_shard
-        zero = (f"zero1 shard {self.dp_shard}" + (f" x replicate {rep}" if rep > 1 else "")) if self.dp_shard > 1 \
+        rep, shard = self.dp // self.dp_shard, self.dp_shard // self.cp
+        zero = (f"zero1 shard {shard}" + (f" x replicate {rep}" if rep > 1 else "")) if shard > 1 \
             else "no zero1 sharding"
         own = "".join(f", {name} {size}" for name, size in self.dims.items() if size > 1)
-        return (f"{self.world_size} device(s): data {self.dp} ({zero}{own}), tensor {self.tp}"
+        context = (f", context {self.cp} ({self.cp_mode}{f' inner {self.cp_inner}' if self.cp_mode == '2d' else ''};"
+                   f" FSDP shards over {self.dp_shard})") if self.cp > 1 else ""
+        return (f"{self.world_size} device(s): data {self.data} ({zero}{own}){context}, tensor {self.tp}"
                 f"{' + sequence parallel' if self.sequence_parallel else ''}, pipeline {self.pp}"
                 f"{f' x {self.num_chunks} chunks' if self.num_chunks > 1 else ''}")
 
@@ -61,6 +75,23 @@ def family_dims(cfg: Config, plan: Any, dp_shard: int) -> dict[str, int]:
         sizes[d.name] = int(size(want, dp_shard, cfg.model_inputs())) if callable(size) else \
             (dp_shard if want <= 0 else want)
     return sizes
+
+
+# CUDA memory outside the caching allocator (what `torch.cuda.max_memory_reserved` never shows, nvidia-smi does): the
+# context with the kernels of torch, cuBLAS and cuDNN loaded lazily (~0.5-0.8 GiB on Hopper with CUDA 12-13), and
+# per NCCL communicator its channel buffers (NCCL_BUFFSIZE 4 MiB per direction and channel, up to 32 channels on
+# NVLink/InfiniBand, plus the LL/LL128 protocols' buffers): ~0.25 GiB. A run opens one communicator per process group
+# it uses with more than one rank. Published defaults, not yet measured here (no GPU: tools/gpu_check.sh prints the
+# measured reserved-vs-estimate row where one is lent); 1-3 GiB per GPU in all, as issue 27 reported.
+CUDA_CONTEXT_BYTES = 0.75 * 2**30
+NCCL_COMMUNICATOR_BYTES = 0.25 * 2**30
+
+
+def cuda_runtime_bytes(lay: "Layout") -> float:
+    """The CUDA context and the NCCL communicators of `lay`'s process groups (every group of more than one rank:
+    data / FSDP shard and replicate, tensor, pipeline, and the family's dimensions)."""
+    groups = [lay.dp_shard, lay.dp // max(lay.dp_shard, 1), lay.tp, lay.pp, *lay.dims.values()]
+    return CUDA_CONTEXT_BYTES + NCCL_COMMUNICATOR_BYTES * sum(1 for g in groups if g > 1)
 
 
 @dataclass
@@ -131,6 +162,10 @@ class Estimate:
     linear: str = "torch"  # numerics' linear kernel: "fp32_gemm" on a CPU without native 16-bit GEMM
     # bytes per step on one rank of the family's own collectives (ModelCounts.block_communication), by term
     model_communication: dict[str, float] = field(default_factory=dict)
+    # context parallel: bytes one rank sends per step for attention (model/context's predicted_context_bytes)
+    context_bytes: float = 0.0
+    # CUDA: the context and NCCL's communicator buffers, outside the caching allocator (not in memory.total)
+    device_runtime: float = 0.0
 
     @property
     def step_time(self) -> float:

@@ -20,7 +20,7 @@ def format_estimate(e: Estimate, other: Optional[Estimate] = None) -> str:
         + (f", {e.hardware_flops_per_token / 1e9:.2f} GFLOP with recomputation"
            if e.hardware_flops_per_token != e.model_flops_per_token else ""),
         f"layout: {lay.describe()}",
-        f"batch: micro_bsz {d.micro_bsz} x seq_len {d.seq_len} x micro_num {d.micro_num} x dp {lay.dp} = "
+        f"batch: micro_bsz {d.micro_bsz} x seq_len {d.seq_len} x micro_num {d.micro_num} x dp {lay.data} = "
         f"{e.tokens_per_step:,} tokens per step",
         f"memory per device ({cfg.model.dtype.split('.')[-1]}, precision {e.precision}"
         + (f", stage {mem.stage}" if lay.pp > 1 else "") + "):",
@@ -35,10 +35,13 @@ def format_estimate(e: Estimate, other: Optional[Estimate] = None) -> str:
                 if k == "accumulated_gradients" else ""
             lines.append(f"  {Memory.LABELS[k]:<22} {v / GiB:9.2f} GiB{why}")
     fits = ""
-    if e.device_memory:
-        fits = (f"  (fits in {e.device_memory / GiB:g} GiB)" if mem.total <= e.device_memory
+    if e.device_memory:  # the context and NCCL's buffers take their share of the device too
+        fits = (f"  (fits in {e.device_memory / GiB:g} GiB)" if mem.total + e.device_runtime <= e.device_memory
                 else f"  (does NOT fit in {e.device_memory / GiB:g} GiB)")
     lines.append(f"  {'total (peak)':<22} {mem.total / GiB:9.2f} GiB{fits}")
+    if e.device_runtime:
+        lines.append(f"  {'+ CUDA context, NCCL':<22} {e.device_runtime / GiB:9.2f} GiB  (outside the allocator: "
+                     "nvidia-smi shows it, torch.cuda.max_memory_reserved does not)")
     if other is not None:
         lines.append(f"  (precision {other.precision}: {other.memory.total / GiB:.2f} GiB; states "
                      f"{other.memory.states / GiB:.2f} GiB)")

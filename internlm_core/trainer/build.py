@@ -272,7 +272,8 @@ def build_trainer(cfg: Config, launch: LaunchInfo, run_dir: Path, seed: Optional
         lr_scheduler=lr_scheduler, beta2_scheduler=beta2_scheduler, grad_scaler=grad_scaler,
         train_loader=train_loader, valid_loaders=valid_loaders, batch_skipper=batch_skipper, state=state, dims=dims,
         device=launch.device, run_dir=run_dir, rank=launch.rank, world_size=launch.world_size,
-        metric_hook=metric_hook, throughput=throughput, comm=CommCounter.attach(model) if dims.dp_shard_cp > 1 else None,
+        metric_hook=metric_hook, throughput=throughput,
+        comm=CommCounter.attach(model) if dims.dp_shard_cp > 1 else None,
         writer=writer, checkpoint_manager=ckpt, callbacks=callbacks, evaluator=evaluator, context=ContextCut.of(dims))
 
 
