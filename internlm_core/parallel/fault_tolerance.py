@@ -121,7 +121,7 @@ class TorchFTReplicas:
         self.lighthouse = lighthouse
         self.participants = 0
         self.error: Optional[str] = None  # why the last step was not committed
-        self._quorum_s = 0.0
+        self._quorum_s = self._reduce_s = self._commit_s = 0.0
 
     def begin_step(self) -> bool:
         healed = self.heal.healed
@@ -140,27 +140,34 @@ class TorchFTReplicas:
         return self.heal.healed != healed
 
     def average_gradients(self, params: Iterable[torch.Tensor]) -> None:
+        t0 = time.perf_counter()
         grads = [_local(p.grad) for p in params if p.grad is not None]
         for bucket in _buckets(grads, BUCKET_BYTES):
             flat = torch.cat([g.reshape(-1) for g in bucket])
             if not collectives.replica_all_reduce(self.manager, flat):
-                return  # the manager records the failure; the group votes not to commit
+                break  # the manager records the failure; the group votes not to commit
             offset = 0
             for g in bucket:
                 g.copy_(flat[offset:offset + g.numel()].view_as(g))
                 offset += g.numel()
+        self._reduce_s = time.perf_counter() - t0
 
     def commit(self) -> bool:
+        t0 = time.perf_counter()
         try:
             committed = bool(self.manager.should_commit())
         except RuntimeError as e:  # torchft: more consecutive failures than max_retries
             raise TrainingError(f"replica group {self.replica_id}: {e} "
                                 f"(parallel.fault_tolerance.max_retries)") from None
         self.error = None if committed else str(self.manager.errored() or "a peer group voted no")
+        self._commit_s = time.perf_counter() - t0
         return committed
 
     def step_metrics(self) -> dict[str, float]:
+        # seconds of this step in the quorum, the all-reduce across groups (waiting for the slowest group
+        # included) and the commit vote: what fault tolerance costs a step
         return {"ft/participants": self.participants, "ft/quorum_time": self._quorum_s,
+                "ft/reduce_time": self._reduce_s, "ft/commit_time": self._commit_s,
                 "ft/replica_id": self.replica_id, "ft/heals": self.heal.healed}
 
     def close(self) -> None:

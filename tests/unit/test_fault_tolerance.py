@@ -5,6 +5,8 @@ buckets, and a lighthouse that is not configured. The groups themselves: tests/e
 from __future__ import annotations
 
 import io
+import json
+import subprocess
 
 import pytest
 import torch
@@ -18,6 +20,7 @@ from internlm_core.config import load_config
 from internlm_core.errors import ConfigError
 from internlm_core.parallel.fault_tolerance import HealState, _buckets, build_replica_groups
 from internlm_core.trainer.state import TrainState
+from tests.helpers.launch import ROOT, env
 
 FT = "parallel.fault_tolerance"
 
@@ -120,3 +123,40 @@ def test_a_fresh_group_takes_a_peers_shards_and_steps_like_it(one_rank_group):
         assert all(torch.equal(torch.as_tensor(sa[i][k].to_local() if isinstance(sa[i][k], DTensor) else sa[i][k]),
                                torch.as_tensor(sb[i][k].to_local() if isinstance(sb[i][k], DTensor) else sb[i][k]))
                    for k in sa[i])
+
+
+RECORD = """#!/usr/bin/env python3
+import json, os, sys
+json.dump({"args": sys.argv[1:], "env": dict(os.environ)}, open(os.environ["RECORD_TO"], "w"))
+"""
+
+
+def test_the_sbatch_starts_one_group_per_node_that_a_lost_node_does_not_end(tmp_path):
+    """tools/slurm/train_ft.sbatch under a stand-in srun (what it hands to srun), then the command srun would run on
+    the second node under a stand-in torchrun (what that node's group is told)."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    for name, text in (("srun", RECORD), ("torchrun", RECORD), ("scontrol", "#!/bin/sh\nprintf 'gpu01\\ngpu02\\n'\n")):
+        (bin_dir / name).write_text(text)
+        (bin_dir / name).chmod(0o755)
+    e = {k: v for k, v in env().items() if not k.startswith("SLURM_")}
+    e.update(PATH=f"{bin_dir}:{e['PATH']}", SLURM_SUBMIT_DIR=str(ROOT), SLURM_JOB_NAME="t", SLURM_JOB_ID="42",
+             SLURM_NNODES="2", SLURM_JOB_NODELIST="gpu[01-02]", RUN_DIR=str(tmp_path / "run"),
+             TORCHFT_LIGHTHOUSE="http://gpu01:29510", RECORD_TO=str(tmp_path / "srun.json"))
+    p = subprocess.run(["bash", str(ROOT / "tools/slurm/train_ft.sbatch"), "configs/7B.py", "--set", "a.b=1"],
+                       cwd=tmp_path, env=e, capture_output=True, text=True, timeout=60)
+    assert p.returncode == 0, p.stderr
+    srun = json.loads((tmp_path / "srun.json").read_text())
+    assert srun["args"][:2] == ["--kill-on-bad-exit=0", "--cpu-bind=none"] and srun["args"][2:4][0] == "bash"
+    payload, argv = srun["args"][4], srun["args"][5:]
+    assert argv == ["train_ft", "--set", "a.b=1"]
+    node = dict(srun["env"], SLURM_NODEID="1", PATH=f"{bin_dir}:{srun['env']['PATH']}",
+                RECORD_TO=str(tmp_path / "torchrun.json"))
+    assert subprocess.run(["bash", "-c", payload, *argv], env=node, timeout=60).returncode == 0
+    torchrun = json.loads((tmp_path / "torchrun.json").read_text())
+    assert torchrun["env"]["TORCHFT_LIGHTHOUSE"] == "http://gpu01:29510"
+    assert torchrun["args"] == [
+        "--standalone", "--nproc_per_node", "8", "--max-restarts", "3", "train.py", "--config", "configs/7B.py",
+        "--run-dir", f"{tmp_path}/run/group1", "--set", "a.b=1", "--set", "parallel.fault_tolerance.enable=True",
+        "parallel.fault_tolerance.replica_id=1", "parallel.fault_tolerance.group_size=2",
+        "parallel.fault_tolerance.min_replicas=1"]
