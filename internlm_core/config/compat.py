@@ -295,10 +295,19 @@ def _model(raw: dict, notes: CompatNotes) -> None:
         notes.mapped.append(f"model.no_bias={no_bias} -> model.qkv_bias={model['qkv_bias']}")
     if "tie_embeddings_and_output_weights" in model:
         model.setdefault("tie_word_embeddings", bool(model.pop("tie_embeddings_and_output_weights")))
+    if model.get("use_dynamic_ntk_rope") and model.get("rope_scaling") is None:
+        # InternEvo's dynamic NTK: rope_scaling_factor beyond max_position_embeddings, model.rope_scaling's form
+        f = model.pop("rope_scaling_factor", 1.0)
+        model.pop("use_dynamic_ntk_rope")
+        original = model.pop("max_position_embeddings", None)
+        model["rope_scaling"] = dict(type="dynamic", factor=f, original_max_position_embeddings=original)
+        notes.mapped.append(f"model.use_dynamic_ntk_rope, rope_scaling_factor={f}, max_position_embeddings="
+                            f"{original} -> model.rope_scaling={model['rope_scaling']}")
     if "rope_scaling_factor" in model:
         f = model.pop("rope_scaling_factor")
         if f not in (None, 1, 1.0):
-            raise ConfigError(f"model.rope_scaling_factor={f!r}: rotary scaling is not implemented (1.0 only)")
+            raise ConfigError(f"model.rope_scaling_factor={f!r}: InternEvo scales only with use_dynamic_ntk_rope="
+                              f"True; write model.rope_scaling=dict(type='linear' or 'dynamic', factor={f!r})")
         notes.compat.append("model.rope_scaling_factor")
     _take_section(model, "model", notes)
 

@@ -314,7 +314,7 @@ class Config:
     """A whole run."""
 
     JOB_NAME: str = f("internlm_core", "Name of the job; names the run folder and alerts.")
-    model_type: str = f("INTERNLM", "Model family: INTERNLM (v1: bias on qkv/out), INTERNLM2 or LLAMA (GQA, no bias).")
+    model_type: str = f("INTERNLM", "Model family: INTERNLM (v1: bias on qkv/out), INTERNLM2 or LLAMA (GQA, no bias), LLAMA3, QWEN2, QWEN3, MISTRAL; mixture of experts: INTERNLM_MoE, MIXTRAL, QWEN3_MoE (README: model families and sizes).")
     data: DataConfig = f(factory=DataConfig, help="See DataConfig.")
     model: ModelConfig = f(factory=ModelConfig, help="See ModelConfig.")
     parallel: ParallelConfig = f(factory=ParallelConfig, help="See ParallelConfig.")

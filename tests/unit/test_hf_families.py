@@ -192,3 +192,11 @@ def test_hf_configs_the_families_cannot_hold_are_refused(tmp_path):
     cfg = tiny("LLAMA3", "model.sliding_window=8")
     with pytest.raises(CheckpointError, match="model.sliding_window=8: LlamaForCausalLM has no such option"):
         export_hf(tmp_path / "out", cfg, build_model(cfg).state_dict(), tokenizer=None)
+
+
+def test_internevo_dynamic_ntk_keys_map_to_rope_scaling():
+    cfg = load_config("configs/tiny.py", ["model_type=INTERNLM2", "model.use_dynamic_ntk_rope=True",
+                                          "model.rope_scaling_factor=2.0", "model.max_position_embeddings=16"])
+    assert cfg.model.rope_scaling == {"type": "dynamic", "factor": 2.0, "original_max_position_embeddings": 16}
+    with pytest.raises(ConfigError, match="model.rope_scaling_factor=2.0: InternEvo scales only with"):
+        load_config("configs/tiny.py", ["model.rope_scaling_factor=2.0"])
