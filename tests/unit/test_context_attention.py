@@ -113,11 +113,15 @@ def test_the_plan_skips_future_blocks_and_other_documents():
     doc = torch.tensor([[0] * 32 + [1] * 32])
     t = token_set(torch.arange(T), doc)
     plan = plan_blocks(t, t, block=16)
-    assert plan.blocks == [(0, 16, [(0, 16)]), (16, 32, [(0, 32)]), (32, 48, [(32, 48)]), (48, 64, [(32, 64)])]
+    # (key start, key end, full): the diagonal blocks need the mask, the past of the same document does not
+    assert plan.blocks == [(0, 16, [(0, 16, False)]), (16, 32, [(0, 16, True), (16, 32, False)]),
+                           (32, 48, [(32, 48, False)]), (48, 64, [(32, 48, True), (48, 64, False)])]
     one = token_set(torch.arange(T), torch.zeros(1, T, dtype=torch.int64))
-    assert plan_blocks(one, one, block=16, range_keys=32).blocks[-1] == (48, 64, [(0, 32), (32, 64)])  # capped
+    assert plan_blocks(one, one, block=16, range_keys=32).blocks[-1] == (48, 64, [(0, 32, True), (32, 48, True),
+                                                                                  (48, 64, False)])  # capped
     shuffled = token_set(torch.cat([torch.arange(48, 64), torch.arange(0, 16)]), torch.zeros(1, 32, dtype=torch.int64))
-    assert plan_blocks(shuffled, shuffled, window=8, block=16).blocks == [(0, 16, [(0, 16)]), (16, 32, [(16, 32)])]
+    assert plan_blocks(shuffled, shuffled, window=8, block=16).blocks == [(0, 16, [(0, 16, False)]),
+                                                                          (16, 32, [(16, 32, False)])]
 
 
 def test_backward_keeps_nothing_of_size_t_squared():

@@ -56,10 +56,11 @@ class TokenSet:
 
 @dataclass
 class Plan:
-    """blocks: (query start, query end, [(key start, key end), ...]) with only the key ranges the queries need;
+    """blocks: (query start, query end, [(key start, key end, full), ...]) with only the key ranges the queries
+    need; `full`: every query of the block sees every key of the range (no mask to build or apply);
     window: sliding-window keys per query (None: none)."""
 
-    blocks: list[tuple[int, int, list[tuple[int, int]]]] = field(default_factory=list)
+    blocks: list[tuple[int, int, list[tuple[int, int, bool]]]] = field(default_factory=list)
     window: Optional[int] = None
 
 
@@ -94,8 +95,9 @@ def _stats(t: TokenSet, blocks: list[tuple[int, int]]) -> tuple[torch.Tensor, ..
 def plan_blocks(q: TokenSet, k: TokenSet, window: Optional[int] = None, block: int = BLOCK,
                 range_keys: int = RANGE_KEYS) -> Plan:
     """Which key blocks each query block needs: a pair is skipped when every key is in the future of every query,
-    beyond the window, or when no row has a document in both (document intervals disjoint). Adjacent needed key
-    blocks are merged into ranges of at most `range_keys` keys."""
+    beyond the window, or when no row has a document in both (document intervals disjoint); it is full when every
+    key is in the past of every query, within the window and, in every row, in the one document of all of them.
+    Adjacent needed key blocks, both full or both not, are merged into ranges of at most `range_keys` keys."""
     qb, kb = _blocks(q.index_host, block), _blocks(k.index_host, block)
     if not qb or not kb:
         return Plan([], window)
@@ -105,21 +107,29 @@ def plan_blocks(q: TokenSet, k: TokenSet, window: Optional[int] = None, block: i
     if window is not None:
         need &= k_hi[None, :] > q_lo[:, None] - window
     need &= ((kd_lo[:, None, :] <= qd_hi[:, :, None]) & (qd_lo[:, :, None] <= kd_hi[:, None, :])).any(0)
+    full = need & (k_hi[None, :] <= q_lo[:, None])
+    if window is not None:
+        full &= k_lo[None, :] > q_hi[:, None] - window
+    one_doc = (qd_lo == qd_hi)[:, :, None] & (kd_lo == kd_hi)[:, None, :] & (qd_lo[:, :, None] == kd_lo[:, None, :])
+    full &= one_doc.all(0)
     blocks = []
     for i, (s, e) in enumerate(qb):
-        ranges: list[tuple[int, int]] = []
+        ranges: list[tuple[int, int, bool]] = []
         for j in torch.nonzero(need[i]).flatten().tolist():
-            ks, ke = kb[j]
-            if ranges and ranges[-1][1] == ks and ke - ranges[-1][0] <= range_keys:
-                ranges[-1] = (ranges[-1][0], ke)
+            (ks, ke), f = kb[j], bool(full[i, j])
+            if ranges and ranges[-1][1] == ks and ranges[-1][2] == f and ke - ranges[-1][0] <= range_keys:
+                ranges[-1] = (ranges[-1][0], ke, f)
             else:
-                ranges.append((ks, ke))
+                ranges.append((ks, ke, f))
         blocks.append((s, e, ranges))
     return Plan(blocks, window)
 
 
-def _allowed(q: TokenSet, k: TokenSet, qs: int, qe: int, ks: int, ke: int, window: Optional[int]) -> torch.Tensor:
-    """bool [B, 1, 1, rows, keys]: True where the query attends to the key."""
+def _allowed(q: TokenSet, k: TokenSet, qs: int, qe: int, ks: int, ke: int, full: bool, window: Optional[int]
+             ) -> Optional[torch.Tensor]:
+    """bool [B, 1, 1, rows, keys]: True where the query attends to the key; None for a full range."""
+    if full:
+        return None
     qi, ki = q.index[qs:qe, None], k.index[None, ks:ke]
     ok = ki <= qi
     if window is not None:
@@ -128,11 +138,11 @@ def _allowed(q: TokenSet, k: TokenSet, qs: int, qe: int, ks: int, ke: int, windo
     return (same & ok)[:, None, None]
 
 
-def _scores(q: torch.Tensor, k: torch.Tensor, allowed: torch.Tensor, scale: float) -> torch.Tensor:
+def _scores(q: torch.Tensor, k: torch.Tensor, allowed: Optional[torch.Tensor], scale: float) -> torch.Tensor:
     """fp32 scores [B, Hkv, G, rows, keys] of q [B, Hkv, G, rows, D] against k [B, Hkv, keys, D], -inf where
     masked (the matmul in the input dtype, as the other kernels)."""
     s = torch.matmul(q, k.unsqueeze(2).transpose(-1, -2)).float() * scale
-    return s.masked_fill_(~allowed, float("-inf"))
+    return s if allowed is None else s.masked_fill_(~allowed, float("-inf"))
 
 
 def merge(out: torch.Tensor, lse: torch.Tensor, out2: torch.Tensor, lse2: torch.Tensor
@@ -145,16 +155,15 @@ def merge(out: torch.Tensor, lse: torch.Tensor, out2: torch.Tensor, lse2: torch.
     return out * w1 + out2 * w2, new
 
 
-def _range_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.Tensor, scale: float
+def _range_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: Optional[torch.Tensor], scale: float
                    ) -> tuple[torch.Tensor, torch.Tensor]:
     """out fp32 [B, Hkv, G, rows, D] and lse [B, Hkv, G, rows] of one query block against one key range."""
     s = _scores(q, k, allowed, scale)
-    m = s.amax(-1, keepdim=True)
-    m = torch.where(torch.isinf(m), torch.zeros_like(m), m)  # a row without keys: exp(-inf) = 0, not nan
-    p = torch.exp(s - m)
-    total = p.sum(-1, keepdim=True)
-    out = torch.matmul(p.to(v.dtype), v.unsqueeze(2)).float() / total.clamp_min(torch.finfo(torch.float32).tiny)
-    return out, (m + total.log()).squeeze(-1)
+    lse = torch.logsumexp(s, -1, keepdim=True)  # one fused pass (max, exp, sum)
+    # a row without keys here has lse -inf: shifting by 0 instead gives it probabilities exp(-inf) = 0, not nan
+    shift = lse if allowed is None else torch.where(torch.isinf(lse), torch.zeros_like(lse), lse)
+    p = s.sub_(shift).exp_().to(v.dtype)  # normalized probabilities, in place of the scores
+    return torch.matmul(p, v.unsqueeze(2)).float(), lse.squeeze(-1)
 
 
 def attend_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, qt: TokenSet, kt: TokenSet, plan: Plan
@@ -166,8 +175,8 @@ def attend_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, qt: TokenS
     lse = torch.full(q.shape[:-1], float("-inf"), dtype=torch.float32, device=q.device)
     for qs, qe, ranges in plan.blocks:
         acc = None
-        for ks, ke in ranges:
-            allowed = _allowed(qt, kt, qs, qe, ks, ke, plan.window)
+        for ks, ke, full in ranges:
+            allowed = _allowed(qt, kt, qs, qe, ks, ke, full, plan.window)
             part = _range_forward(q[..., qs:qe, :], k[:, :, ks:ke], v[:, :, ks:ke], allowed, scale)
             acc = part if acc is None else merge(*acc, *part)
         if acc is not None:
@@ -183,17 +192,20 @@ def attend_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lse: torc
     rowsum(dout * out) with the final output."""
     scale = q.shape[-1] ** -0.5
     dt = q.dtype
+    B, hkv, G, _, D = q.shape
     for qs, qe, ranges in plan.blocks:
         qb, dob = q[..., qs:qe, :], dout[..., qs:qe, :]
+        # the G query heads of one k/v head as G * rows rows: dK, dV in one matmul each, no per-head copies to sum
+        qf, dof = qb.reshape(B, hkv, G * (qe - qs), D), dob.reshape(B, hkv, G * (qe - qs), D)
         lb, db = lse[..., qs:qe, None], delta[..., qs:qe, None]
-        for ks, ke in ranges:
+        for ks, ke, full in ranges:
             kr, vr = k[:, :, ks:ke], v[:, :, ks:ke]
-            p = torch.exp(_scores(qb, kr, _allowed(qt, kt, qs, qe, ks, ke, plan.window), scale) - lb)
-            dv[:, :, ks:ke] += torch.matmul(p.to(dt).transpose(-1, -2), dob).float().sum(2)
+            p = torch.exp(_scores(qb, kr, _allowed(qt, kt, qs, qe, ks, ke, full, plan.window), scale) - lb)
+            dv[:, :, ks:ke] += torch.matmul(p.to(dt).flatten(2, 3).transpose(-1, -2), dof).float()
             ds = p * (torch.matmul(dob, vr.unsqueeze(2).transpose(-1, -2)).float() - db)
             ds = ds.to(dt)
             dq[..., qs:qe, :] += torch.matmul(ds, kr.unsqueeze(2)).float() * scale
-            dk[:, :, ks:ke] += torch.matmul(ds.transpose(-1, -2), qb).float().sum(2) * scale
+            dk[:, :, ks:ke] += torch.matmul(ds.flatten(2, 3).transpose(-1, -2), qf).float() * scale
 
 
 class BlockwiseAttention(torch.autograd.Function):
