@@ -5,11 +5,10 @@ runs `context_attention`; its output and its chunk's dq / dk / dv must equal the
 (`blocked_causal_attention` under the document masks, autograd) at the chunk's positions, fp32 to 1e-5. Cases:
 rows of many short documents and rows of one document, grouped-query attention (4 query heads over 2 and 1 k/v
 heads: the all-to-all over 4 ranks repeats them), the bytes each rank counted equal `predicted_context_bytes`.
-2 ranks: ring and all_to_all (their forward also under the device audit, as if on CUDA: a host tensor in a collective
-fails), and
-the InternLM Transformer under `set_context_parallel` against the same model on whole rows (logits and every
-parameter's gradient summed over the ranks). 4 ranks: ring, all_to_all and 2d
-(2 x 2) over the world, and ring / all_to_all over 2-rank groups {0, 2} and {1, 3} of the 4.
+2 ranks: ring and all_to_all, also under activation checkpointing and (forward) under the device audit, as if
+on CUDA (a host tensor in a collective fails); the InternLM Transformer under `set_context_parallel` against the
+same model on whole rows (logits and every parameter's gradient summed over the ranks). 4 ranks: ring, all_to_all
+and 2d (2 x 2) over the world, and ring / all_to_all over 2-rank groups {0, 2} and {1, 3} of the 4.
 """
 
 from __future__ import annotations
@@ -70,7 +69,7 @@ def reference(q, k, v, dout, doc):
     return (out.detach(), *torch.autograd.grad((out * dout).sum(), (q, k, v)))
 
 
-def check_attention(ctx, layout: str, hkv: int, tag: str, device=None) -> None:
+def check_attention(ctx, layout: str, hkv: int, tag: str, device=None, checkpointed: bool = False) -> None:
     """device: the device audit's (tests/helpers/device_audit.py): every tensor a collective gets must be on it;
     forward only there (autograd's saved tensors come back unmarked, which the backward's shifts would refuse; they
     send buffers made like the forward's)."""
@@ -90,7 +89,11 @@ def check_attention(ctx, layout: str, hkv: int, tag: str, device=None) -> None:
     pop_context_bytes()
     ids = doc[:, zig] if device.type == "cpu" else doc[:, zig].to(device)  # the audit cannot pin host memory
     meta = build_context_meta(ctx, ids, B, T // C, device)
-    out = context_attention(ql, kl, vl, meta)
+    if checkpointed:  # activation checkpointing: the backward runs the forward's exchanges again first
+        from torch.utils.checkpoint import checkpoint
+        out = checkpoint(context_attention, ql, kl, vl, meta, use_reentrant=False)
+    else:
+        out = context_attention(ql, kl, vl, meta)
     if device.type != "cpu":
         torch.testing.assert_close(out.cpu(), want[0][:, zig], **TOL, msg=lambda m: f"{tag} {layout}: {m}")
         return
@@ -98,6 +101,8 @@ def check_attention(ctx, layout: str, hkv: int, tag: str, device=None) -> None:
     for name, got, ref in zip(("out", "dq", "dk", "dv"), (out, ql.grad, kl.grad, vl.grad), want):
         torch.testing.assert_close(got.cpu(), ref[:, zig], **TOL, msg=lambda m: f"{tag} {layout} hkv={hkv} {name}: {m}")
     sent = pop_context_bytes()
+    if checkpointed:
+        return
     expect = predicted_context_bytes(ctx.mode, C, ctx.inner, B, T, H, hkv, D, 4, layers=1)
     assert sent[ctx.mode] == expect > 0, (tag, sent, expect)
     assert sent["layout"] == B * (T // C) * 8 * (C - 1), (tag, sent)
@@ -164,6 +169,8 @@ def main(nproc: int) -> None:
             check_attention(ctx, layout, hkv, tag)
     if nproc == 2:
         check_model(contexts[0])
+        for ctx in contexts:
+            check_attention(ctx, "short", 2, f"{ctx.mode} checkpointed", checkpointed=True)
         from tests.helpers.device_audit import audit_devices
         with audit_devices("cuda") as device:  # every tensor of every collective on the run's device
             for ctx in contexts:
