@@ -66,11 +66,26 @@ def check_model_keys(args: Any, keys: Mapping[str, Any], source: str, what: str,
             "num_kv_attention_heads": args.num_kv_heads, "vocab_size": args.vocab_size,
             "intermediate_size": args.ffn_width, "qkv_bias": bool(args.qkv_bias),
             "tie_word_embeddings": bool(args.tie_word_embeddings)}
+    # the shared block's options (model/args.py), where the foreign config states them
+    ours.update(head_dim=args.head_dim, qk_norm=bool(getattr(args, "qk_norm", False)),
+                sliding_window=getattr(args, "sliding_window", None))
+    keys = dict(keys)
     if numerics:
         ours.update(rope_base=float(args.rope_base), layer_norm_epsilon=float(args.norm_eps))
+    if "rope_scaling" in keys:  # the same scaling, whichever spelling (type / rope_type) each side uses
+        ours["rope_scaling"] = _scaling(getattr(args, "rope_scaling", None))
+        keys["rope_scaling"] = _scaling(keys["rope_scaling"])
     diff = [f"{k}: model {v} vs {source} {keys[k]}" for k, v in ours.items() if k in keys and keys[k] != v]
     if diff:
         raise CheckpointError(f"the model does not match {what} ({'; '.join(diff)})" + (f"; {hint}" if hint else ""))
+
+
+def _scaling(scaling: Optional[Mapping[str, Any]]) -> Optional[dict]:
+    """A rope_scaling dict in one spelling (None: no scaling)."""
+    if not scaling or str(scaling.get("rope_type") or scaling.get("type") or "default") == "default":
+        return None
+    kind = scaling.get("rope_type") or scaling.get("type")
+    return {"kind": kind, **{k: v for k, v in scaling.items() if k not in ("type", "rope_type", "rope_theta") and v is not None}}
 
 
 # ---------------------------------------------------------------------------------------------------------

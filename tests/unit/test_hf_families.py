@@ -200,3 +200,16 @@ def test_internevo_dynamic_ntk_keys_map_to_rope_scaling():
     assert cfg.model.rope_scaling == {"type": "dynamic", "factor": 2.0, "original_max_position_embeddings": 16}
     with pytest.raises(ConfigError, match="model.rope_scaling_factor=2.0: InternEvo scales only with"):
         load_config("configs/tiny.py", ["model.rope_scaling_factor=2.0"])
+
+
+def test_import_refuses_a_model_whose_block_options_differ(tmp_path):
+    save_hf(tmp_path, "Llama", rope_parameters=LLAMA3_ROPE)
+    keys = {k: v for k, v in config_from_hf(tmp_path, "LLAMA3").items() if k != "rope_scaling"}
+    model = build_model(load_config("configs/tiny.py", ["model_type=LLAMA3", f"data.seq_len={T}", *overrides(keys),
+                                                        "model.rope_scaling={'type': 'linear', 'factor': 8.0}"]))
+    with pytest.raises(CheckpointError, match="rope_scaling: model {'kind': 'linear', 'factor': 8.0} vs"):
+        load_hf(model, tmp_path)
+    same = dict(LLAMA3_ROPE, rope_type="llama3")  # transformers' spelling with rope_theta: the same scaling
+    model = build_model(load_config("configs/tiny.py", ["model_type=LLAMA3", f"data.seq_len={T}", *overrides(keys),
+                                                        f"model.rope_scaling={same!r}"]))
+    assert load_hf(model, tmp_path)
