@@ -4,7 +4,8 @@ Every rank draws the same whole rows (q, k, v, the output gradient, the document
 runs `context_attention`; its output and its chunk's dq / dk / dv must equal the whole-sequence reference
 (`blocked_causal_attention` under the document masks, autograd) at the chunk's positions, fp32 to 1e-5. Cases:
 rows of many short documents and rows of one document, grouped-query attention (4 query heads over 2 and 1 k/v
-heads: the all-to-all over 4 ranks repeats them), the bytes each rank counted equal `predicted_context_bytes`.
+heads: the all-to-all over 4 ranks repeats them), a sliding window of 11 keys, the bytes each rank counted equal
+`predicted_context_bytes`.
 2 ranks: ring and all_to_all, also under activation checkpointing and (forward) under the device audit, as if
 on CUDA (a host tensor in a collective fails); the InternLM Transformer under `set_context_parallel` against the
 same model on whole rows (logits and every parameter's gradient summed over the ranks). 4 ranks: ring, all_to_all
@@ -59,17 +60,18 @@ def documents(layout: str, B: int, T: int, seed: int):
     return torch.stack(rows)
 
 
-def reference(q, k, v, dout, doc):
+def reference(q, k, v, dout, doc, window=None):
     """Whole-row attention and its input gradients, by autograd through the plain blocked kernel."""
     import torch
     from internlm_core.model.attention import block_document_masks, blocked_causal_attention
     q, k, v = (x.clone().requires_grad_() for x in (q, k, v))
     out = blocked_causal_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-                                   masks=block_document_masks(doc)).transpose(1, 2)
+                                   masks=block_document_masks(doc, window=window)).transpose(1, 2)
     return (out.detach(), *torch.autograd.grad((out * dout).sum(), (q, k, v)))
 
 
-def check_attention(ctx, layout: str, hkv: int, tag: str, device=None, checkpointed: bool = False) -> None:
+def check_attention(ctx, layout: str, hkv: int, tag: str, device=None, checkpointed: bool = False,
+                    window=None) -> None:
     """device: the device audit's (tests/helpers/device_audit.py): every tensor a collective gets must be on it;
     forward only there (autograd's saved tensors come back unmarked, which the backward's shifts would refuse; they
     send buffers made like the forward's)."""
@@ -82,13 +84,13 @@ def check_attention(ctx, layout: str, hkv: int, tag: str, device=None, checkpoin
     q, dout = torch.randn(B, T, H, D, generator=g), torch.randn(B, T, H, D, generator=g)
     k, v = torch.randn(B, T, hkv, D, generator=g), torch.randn(B, T, hkv, D, generator=g)
     doc = documents(layout, B, T, seed=C)
-    want = reference(q, k, v, dout, doc)
+    want = reference(q, k, v, dout, doc, window)
     zig = zigzag_indices(T, C, ctx.rank)
     device = device or torch.device("cpu")
     ql, kl, vl = (x[:, zig].to(device).requires_grad_() for x in (q, k, v))
     pop_context_bytes()
     ids = doc[:, zig] if device.type == "cpu" else doc[:, zig].to(device)  # the audit cannot pin host memory
-    meta = build_context_meta(ctx, ids, B, T // C, device)
+    meta = build_context_meta(ctx, ids, B, T // C, device, window)
     if checkpointed:  # activation checkpointing: the backward runs the forward's exchanges again first
         from torch.utils.checkpoint import checkpoint
         out = checkpoint(context_attention, ql, kl, vl, meta, use_reentrant=False)
@@ -167,6 +169,7 @@ def main(nproc: int) -> None:
         tag = f"{ctx.mode} C={ctx.size} #{i}"
         for layout, hkv in (("short", 2), ("long", 2), ("short", 1), ("short", 4)):
             check_attention(ctx, layout, hkv, tag)
+        check_attention(ctx, "long", 2, tag + " window 11", window=11)  # a sliding window (Mistral)
     if nproc == 2:
         check_model(contexts[0])
         for ctx in contexts:
