@@ -157,6 +157,7 @@ def test_the_transformer_under_a_one_rank_context_group_is_the_plain_model():
     cp = copy.deepcopy(plain)
     set_context_parallel(cp, ContextGroup(None, 1, 0, "ring"))
     assert cp.context is not None and plain.context is None
+    assert copy.deepcopy(cp).context is cp.context  # the group is shared, not copied
     ids = torch.randint(0, 64, (2, 32))
     doc = _docs(2, 32)
     torch.testing.assert_close(cp(ids, document_ids=doc), plain(ids, document_ids=doc), **TOL)

@@ -80,6 +80,11 @@ class ContextGroup:
                 raise ValueError(f"context parallel: size {self.size} and rank {self.rank} do not match the process "
                                  f"group's size {actual[0]} and this process's rank {actual[1]} in it")
 
+    def __deepcopy__(self, memo: dict) -> "ContextGroup":
+        """The same object: process groups are this process's handles, shared and never copied (a deep copy of a
+        model under context parallel keeps its group)."""
+        return self
+
     @property
     def a2a_size(self) -> int:
         """Ranks of one all-to-all (1: none)."""
