@@ -200,10 +200,11 @@ def attend_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lse: torc
         lb, db = lse[..., qs:qe, None], delta[..., qs:qe, None]
         for ks, ke, full in ranges:
             kr, vr = k[:, :, ks:ke], v[:, :, ks:ke]
-            p = torch.exp(_scores(qb, kr, _allowed(qt, kt, qs, qe, ks, ke, full, plan.window), scale) - lb)
+            # in place wherever a temporary of [rows, keys] per head can be reused (the largest ones here)
+            p = _scores(qb, kr, _allowed(qt, kt, qs, qe, ks, ke, full, plan.window), scale).sub_(lb).exp_()
             dv[:, :, ks:ke] += torch.matmul(p.to(dt).flatten(2, 3).transpose(-1, -2), dof).float()
-            ds = p * (torch.matmul(dob, vr.unsqueeze(2).transpose(-1, -2)).float() - db)
-            ds = ds.to(dt)
+            ds = torch.matmul(dob, vr.unsqueeze(2).transpose(-1, -2)).float().sub_(db).mul_(p).to(dt)
+            del p
             dq[..., qs:qe, :] += torch.matmul(ds, kr.unsqueeze(2)).float() * scale
             dk[:, :, ks:ke] += torch.matmul(ds.flatten(2, 3).transpose(-1, -2), qf).float() * scale
 
