@@ -18,8 +18,11 @@ from __future__ import annotations
 
 import datetime
 import os
+import signal
+import socket
+import threading
 import time
-from typing import Any, Iterable, Mapping, Optional, Protocol
+from typing import Any, Callable, Iterable, Mapping, Optional, Protocol
 
 import torch
 import torch.distributed as dist
@@ -119,6 +122,7 @@ class TorchFTReplicas:
         self.manager, self.heal = manager, heal
         self.replica_id, self.group_size, self.quorum_timeout = ft.replica_id, ft.group_size, ft.quorum_timeout
         self.lighthouse = lighthouse
+        self.store: Optional[dist.TCPStore] = None
         self.participants = 0
         self.error: Optional[str] = None  # why the last step was not committed
         self._quorum_s = self._reduce_s = self._commit_s = 0.0
@@ -127,7 +131,9 @@ class TorchFTReplicas:
         healed = self.heal.healed
         t0 = time.perf_counter()
         try:
-            self.manager.start_quorum()
+            _leaving_on_sigterm(self.manager.start_quorum, "its quorum", self.replica_id)
+        except TrainingError:
+            raise
         except Exception as e:  # noqa: BLE001 - torchft raises the RPC's own errors; say what they mean here
             raise TrainingError(f"replica group {self.replica_id}: no quorum from the lighthouse {self.lighthouse} "
                                 f"within {self.quorum_timeout:.0f} s (parallel.fault_tolerance.quorum_timeout): "
@@ -155,7 +161,7 @@ class TorchFTReplicas:
     def commit(self) -> bool:
         t0 = time.perf_counter()
         try:
-            committed = bool(self.manager.should_commit())
+            committed = bool(_leaving_on_sigterm(self.manager.should_commit, "its commit vote", self.replica_id))
         except RuntimeError as e:  # torchft: more consecutive failures than max_retries
             raise TrainingError(f"replica group {self.replica_id}: {e} "
                                 f"(parallel.fault_tolerance.max_retries)") from None
@@ -174,6 +180,43 @@ class TorchFTReplicas:
         self.manager.shutdown(wait=False)
 
 
+def _leaving_on_sigterm(fn: Callable[[], Any], what: str, replica_id: int) -> Any:
+    """fn() (a wait on torchft: the quorum, the group's vote), during which a SIGTERM ends this rank at once
+    (TrainingError) instead of at the end of the step. The SIGTERM comes from the agent stopping a group that lost
+    a rank (torchrun does, then SIGKILLs 30 s later); a rank that waited on would keep its group's heartbeat alive
+    meanwhile, and torchft forms no quorum without more than half of the heartbeating groups: with two groups the
+    live one would wait for it. fn runs in a daemon thread (a call blocked in torchft's Rust client does not return
+    to Python for the signal) while this thread waits; the previous handler (the stop controller's) still runs."""
+    if threading.current_thread() is not threading.main_thread():
+        return fn()
+    box: dict[str, Any] = {}
+
+    def run() -> None:
+        try:
+            box["value"] = fn()
+        except BaseException as e:  # noqa: BLE001 - handed to the waiting thread as it is
+            box["error"] = e
+
+    previous = signal.getsignal(signal.SIGTERM)
+
+    def leave(signum: int, frame: Any) -> None:
+        if callable(previous):
+            previous(signum, frame)
+        raise TrainingError(f"replica group {replica_id}: SIGTERM while waiting for {what}; leaving at once")
+
+    worker = threading.Thread(target=run, name="torchft_wait", daemon=True)
+    signal.signal(signal.SIGTERM, leave)
+    try:
+        worker.start()
+        while worker.is_alive():
+            worker.join(0.05)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    if "error" in box:
+        raise box["error"]
+    return box["value"]
+
+
 def _buckets(tensors: list[torch.Tensor], max_bytes: int) -> Iterable[list[torch.Tensor]]:
     """Consecutive runs of `tensors` of one dtype and device, each at most `max_bytes` (or one larger tensor)."""
     bucket: list[torch.Tensor] = []
@@ -189,16 +232,26 @@ def _buckets(tensors: list[torch.Tensor], max_bytes: int) -> Iterable[list[torch
         yield bucket
 
 
-def _clear_stale_manager_keys(rank: int, world_size: int) -> None:
-    """Rank 0 removes the keys a Manager of an earlier group (one torchrun restarted) left in this group's store,
-    before any rank reads them; every rank waits for it."""
-    if rank == 0 and os.environ.get("MASTER_ADDR") and os.environ.get("MASTER_PORT"):
-        store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
-                              wait_for_workers=False)
+def _group_store(rank: int, world_size: int) -> tuple[str, int, Optional[dist.TCPStore]]:
+    """(address, port, store held open) of the TCPStore torchft's Manager meets its group in: the launcher's at
+    MASTER_ADDR:MASTER_PORT (torchrun's agent store, or rank 0's that formed the process group), from which rank 0
+    first removes the keys a Manager of an earlier group (one torchrun restarted) left, before any rank reads them;
+    a group of one process without an agent has no store: it hosts its own (the other groups reach it there)."""
+    if world_size == 1 and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        host = socket.gethostname()
+        store = dist.TCPStore(host, 0, is_master=True, wait_for_workers=False)
+        return host, store.port, store
+    addr, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")
+    if not addr or not port:
+        raise ConfigError(f"parallel.fault_tolerance: rank {rank} of {world_size} has no MASTER_ADDR/MASTER_PORT "
+                          f"(expected a torchrun or SLURM launch)")
+    if rank == 0:
+        client = dist.TCPStore(addr, int(port), is_master=False, wait_for_workers=False)
         for key in _MANAGER_KEYS:
-            store.delete_key(key)
+            client.delete_key(key)
     if world_size > 1 and collectives.dist_ready():
         collectives.barrier()
+    return addr, int(port), None
 
 
 def build_replica_groups(ft: FaultToleranceConfig, rank: int, world_size: int, device: torch.device,
@@ -222,15 +275,18 @@ def build_replica_groups(ft: FaultToleranceConfig, rank: int, world_size: int, d
         raise ConfigError("parallel.fault_tolerance.lighthouse: not set, and TORCHFT_LIGHTHOUSE is not in the "
                           "environment; expected the lighthouse's URL, e.g. http://host:29510 (tools/ft_local.sh "
                           "starts one)")
-    _clear_stale_manager_keys(rank, world_size)
+    store_addr, store_port, store = _group_store(rank, world_size)
     timeout = datetime.timedelta(seconds=ft.timeout)
     pg = ProcessGroupNCCL(timeout=timeout) if device.type == "cuda" else ProcessGroupGloo(timeout=timeout)
     manager = Manager(pg=pg, load_state_dict=heal.load_state_dict, state_dict=heal.state_dict,
                       min_replica_size=ft.min_replicas, use_async_quorum=False, timeout=timeout,
                       quorum_timeout=datetime.timedelta(seconds=ft.quorum_timeout), connect_timeout=timeout,
-                      rank=rank, world_size=world_size, lighthouse_addr=lighthouse,
+                      rank=rank, world_size=world_size, store_addr=store_addr, store_port=store_port,
+                      lighthouse_addr=lighthouse,
                       replica_id=f"internlm_core_{ft.replica_id}", max_retries=ft.max_retries)
     manager.load_state_dict({"step": step, "batches_committed": 0})
     logger.info(f"replica group {ft.replica_id} of {ft.group_size}: rank {rank} of {world_size} joins the quorum "
                 f"of lighthouse {lighthouse} at step {step} (min_replicas {ft.min_replicas})")
-    return TorchFTReplicas(manager, ft, heal, lighthouse)
+    replicas = TorchFTReplicas(manager, ft, heal, lighthouse)
+    replicas.store = store  # a store this rank hosts lives as long as the manager
+    return replicas

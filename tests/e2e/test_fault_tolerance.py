@@ -81,3 +81,19 @@ def test_a_killed_group_leaves_the_other_training_and_heals_from_it_on_return(tm
         assert a["step"] == b["step"] == STEPS
         assert (a["model"], a["optimizer"]) == (b["model"], b["optimizer"])
     assert digest(g0_run, 0)["model"] != digest(g0_run, 1)["model"]  # two shards: the digests see real bytes
+
+
+def test_groups_of_one_process_meet_through_a_store_they_host(tmp_path):
+    """A group of one process forms no process group, so there is no launcher's store for torchft's manager; it
+    hosts one (before, the manager waited for MASTER_ADDR:MASTER_PORT forever)."""
+    lighthouse = Lighthouse(tmp_path / "lighthouse.log")
+    runs = [tmp_path / "group0", tmp_path / "group1"]
+    try:
+        groups = [start_group(g, 1, group_args(runs[g], g, lighthouse.url)) for g in (0, 1)]
+        results = [wait_group(ranks, 120) for ranks in groups]
+    finally:
+        lighthouse.stop()
+    for codes, out in results:
+        assert codes == [0], out[-6000:]
+    assert train_records(runs[0])[-1]["ft/participants"] == 2
+    assert digest(runs[0], 0) == dict(digest(runs[1], 0), heals=digest(runs[0], 0)["heals"])

@@ -10,6 +10,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -53,7 +54,8 @@ class Lighthouse:
 def start_group(replica_id: int, nproc: int, args: list[str], script: str = "tests/e2e/ft_driver.py",
                 extra_env: dict | None = None) -> list[warm.Started]:
     """The `nproc` ranks of one replica group (its own process group and store, as one torchrun job): `script`
-    ARGS on each, with torchrun's environment."""
+    ARGS on each, with torchrun's environment; as torchrun's agent does, when one rank ends with a failure the
+    others are stopped (SIGTERM): a group with a dead rank is gone as a whole."""
     port = free_port()
     ranks = []
     for rank in range(nproc):
@@ -63,7 +65,17 @@ def start_group(replica_id: int, nproc: int, args: list[str], script: str = "tes
                  GROUP_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), TORCHELASTIC_RESTART_COUNT="0",
                  TORCHELASTIC_RUN_ID=f"ft-group{replica_id}-{port}")
         ranks.append(warm.start(str(ROOT / script), args, e, ROOT))
+    threading.Thread(target=_stop_the_rest_on_failure, args=(ranks,), daemon=True).start()
     return ranks
+
+
+def _stop_the_rest_on_failure(ranks: list[warm.Started]) -> None:
+    while any(r.poll() is None for r in ranks):
+        if any(r.poll() not in (None, 0) for r in ranks):
+            for r in ranks:
+                r.send_signal(signal.SIGTERM)  # only those still running
+            return
+        time.sleep(0.05)
 
 
 def kill_group(ranks: list[warm.Started]) -> None:
