@@ -118,11 +118,12 @@ class HealState:
 class TorchFTReplicas:
     """`ReplicaGroups` over torchft's Manager with a synchronous quorum (a heal is applied before the step)."""
 
-    def __init__(self, manager: Any, ft: FaultToleranceConfig, heal: HealState, lighthouse: str):
+    def __init__(self, manager: Any, ft: FaultToleranceConfig, heal: HealState, lighthouse: str,
+                 store: Optional[dist.TCPStore] = None):
         self.manager, self.heal = manager, heal
         self.replica_id, self.group_size, self.quorum_timeout = ft.replica_id, ft.group_size, ft.quorum_timeout
         self.lighthouse = lighthouse
-        self.store: Optional[dist.TCPStore] = None
+        self.store = store  # the store this rank hosts for its group (a group of one process), open while it trains
         self.participants = 0
         self.error: Optional[str] = None  # why the last step was not committed
         self._quorum_s = self._reduce_s = self._commit_s = 0.0
@@ -287,6 +288,4 @@ def build_replica_groups(ft: FaultToleranceConfig, rank: int, world_size: int, d
     manager.load_state_dict({"step": step, "batches_committed": 0})
     logger.info(f"replica group {ft.replica_id} of {ft.group_size}: rank {rank} of {world_size} joins the quorum "
                 f"of lighthouse {lighthouse} at step {step} (min_replicas {ft.min_replicas})")
-    replicas = TorchFTReplicas(manager, ft, heal, lighthouse)
-    replicas.store = store  # a store this rank hosts lives as long as the manager
-    return replicas
+    return TorchFTReplicas(manager, ft, heal, lighthouse, store)
