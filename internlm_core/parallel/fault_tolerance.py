@@ -127,18 +127,19 @@ class TorchFTReplicas:
         self.participants = 0
         self.error: Optional[str] = None  # why the last step was not committed
         self._quorum_s = self._reduce_s = self._commit_s = 0.0
+        self._sigterm = _LeaveOnSigterm(self.replica_id)
 
     def begin_step(self) -> bool:
         healed = self.heal.healed
         t0 = time.perf_counter()
         try:
-            _leaving_on_sigterm(self.manager.start_quorum, "its quorum", self.replica_id)
+            self._sigterm.wait(self.manager.start_quorum, "its quorum")
         except TrainingError:
             raise
         except Exception as e:  # noqa: BLE001 - torchft raises the RPC's own errors; say what they mean here
-            raise TrainingError(f"replica group {self.replica_id}: no quorum from the lighthouse {self.lighthouse} "
-                                f"within {self.quorum_timeout:.0f} s (parallel.fault_tolerance.quorum_timeout): "
-                                f"{e}") from None
+            raise TrainingError(f"replica group {self.replica_id}: the step's quorum failed (lighthouse "
+                                f"{self.lighthouse}, parallel.fault_tolerance.quorum_timeout "
+                                f"{self.quorum_timeout:.0f} s): {type(e).__name__}: {e}") from None
         self._quorum_s = time.perf_counter() - t0
         self.participants = self.manager.num_participants()
         if self.heal.healed != healed:
@@ -162,7 +163,7 @@ class TorchFTReplicas:
     def commit(self) -> bool:
         t0 = time.perf_counter()
         try:
-            committed = bool(_leaving_on_sigterm(self.manager.should_commit, "its commit vote", self.replica_id))
+            committed = bool(self._sigterm.wait(self.manager.should_commit, "its commit vote"))
         except RuntimeError as e:  # torchft: more consecutive failures than max_retries
             raise TrainingError(f"replica group {self.replica_id}: {e} "
                                 f"(parallel.fault_tolerance.max_retries)") from None
@@ -181,41 +182,59 @@ class TorchFTReplicas:
         self.manager.shutdown(wait=False)
 
 
-def _leaving_on_sigterm(fn: Callable[[], Any], what: str, replica_id: int) -> Any:
-    """fn() (a wait on torchft: the quorum, the group's vote), during which a SIGTERM ends this rank at once
-    (TrainingError) instead of at the end of the step. The SIGTERM comes from the agent stopping a group that lost
-    a rank (torchrun does, then SIGKILLs 30 s later); a rank that waited on would keep its group's heartbeat alive
-    meanwhile, and torchft forms no quorum without more than half of the heartbeating groups: with two groups the
-    live one would wait for it. fn runs in a daemon thread (a call blocked in torchft's Rust client does not return
-    to Python for the signal) while this thread waits; the previous handler (the stop controller's) still runs."""
-    if threading.current_thread() is not threading.main_thread():
-        return fn()
-    box: dict[str, Any] = {}
+class _LeaveOnSigterm:
+    """A SIGTERM makes this rank leave at its next wait on torchft (the step's quorum, the group's vote), or at once
+    when it comes during one (TrainingError), instead of at the end of the step as the stop controller would have
+    it. The SIGTERM comes from the agent stopping a group that lost a rank (torchrun, then SIGKILL 30 s later); a
+    rank that waited on would keep its group's heartbeat alive, and torchft forms no quorum without more than half
+    of the heartbeating groups: with two groups the live one would wait for it. The previous handler (the stop
+    controller's) still runs. The wait runs `fn` in a daemon thread: a call blocked in torchft's Rust client does
+    not come back to Python for a signal handler, the waiting main thread does."""
 
-    def run() -> None:
+    def __init__(self, replica_id: int):
+        self.replica_id, self.received = replica_id, False
+        self.waiting_for: Optional[str] = None
+        self._previous: Any = None
+        if threading.current_thread() is threading.main_thread():
+            self._previous = signal.getsignal(signal.SIGTERM)
+            signal.signal(signal.SIGTERM, self._on_sigterm)
+
+    def _on_sigterm(self, signum: int, frame: Any) -> None:
+        self.received = True
+        if callable(self._previous):
+            self._previous(signum, frame)
+        if self.waiting_for is not None:
+            raise self._error()
+
+    def _error(self) -> TrainingError:
+        return TrainingError(f"replica group {self.replica_id}: SIGTERM (its agent stops it) while waiting for "
+                             f"{self.waiting_for}; leaving at once")
+
+    def wait(self, fn: Callable[[], Any], what: str) -> Any:
+        """fn(), waited for so that a SIGTERM ends it."""
+        if threading.current_thread() is not threading.main_thread():
+            return fn()
+        box: dict[str, Any] = {}
+
+        def run() -> None:
+            try:
+                box["value"] = fn()
+            except BaseException as e:  # noqa: BLE001 - handed to the waiting thread as it is
+                box["error"] = e
+
+        worker = threading.Thread(target=run, name="torchft_wait", daemon=True)
+        self.waiting_for = what
         try:
-            box["value"] = fn()
-        except BaseException as e:  # noqa: BLE001 - handed to the waiting thread as it is
-            box["error"] = e
-
-    previous = signal.getsignal(signal.SIGTERM)
-
-    def leave(signum: int, frame: Any) -> None:
-        if callable(previous):
-            previous(signum, frame)
-        raise TrainingError(f"replica group {replica_id}: SIGTERM while waiting for {what}; leaving at once")
-
-    worker = threading.Thread(target=run, name="torchft_wait", daemon=True)
-    signal.signal(signal.SIGTERM, leave)
-    try:
-        worker.start()
-        while worker.is_alive():
-            worker.join(0.05)
-    finally:
-        signal.signal(signal.SIGTERM, previous)
-    if "error" in box:
-        raise box["error"]
-    return box["value"]
+            worker.start()
+            while worker.is_alive():
+                if self.received:
+                    raise self._error()
+                worker.join(0.05)
+        finally:
+            self.waiting_for = None
+        if "error" in box:
+            raise box["error"]
+        return box["value"]
 
 
 def _buckets(tensors: list[torch.Tensor], max_bytes: int) -> Iterable[list[torch.Tensor]]:

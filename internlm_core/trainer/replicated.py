@@ -80,8 +80,8 @@ def trainer_class(replicas: Optional[ReplicaGroups]) -> Callable[..., Trainer]:
 def build_replicas(cfg: Config, launch: LaunchInfo, ckpt: Any, state: TrainState) -> Optional[ReplicaGroups]:
     """This rank's part of the replica groups (None unless `parallel.fault_tolerance.enable`), after the resume: a
     healing group receives what a checkpoint holds (the manager's registry: model, optimizer, every Stateful)."""
-    if not cfg.parallel.fault_tolerance.enable:
-        return None
+    if not cfg.parallel.fault_tolerance.enable or launch.launcher == "simulate":
+        return None  # a simulated rank (train.py --simulate) has no peers to meet
     statefuls = {name: entry.obj for name, entry in ckpt.state.entries.items() if name not in NOT_HEALED}
     heal = HealState(ckpt.state.model, ckpt.state.optimizer, statefuls)
     return build_replica_groups(cfg.parallel.fault_tolerance, launch.rank, launch.world_size, launch.device, heal,

@@ -1,11 +1,12 @@
 """train.py's main as one rank of a replica group (parallel.fault_tolerance), paced and fingerprinted for the tests.
 
-    python tests/e2e/ft_driver.py PACE_TOGETHER PACE_ALONE DIE_AT -- <train.py arguments>
+    python tests/e2e/ft_driver.py PACE_TOGETHER PACE_ALONE DIE_AT[@RANK] -- <train.py arguments>
 
 After every step the rank sleeps PACE_TOGETHER seconds while every replica group is in the quorum and PACE_ALONE
-while some are missing (a lost group has time to come back before the run ends). DIE_AT > 0: the rank SIGKILLs
-itself right after the backward of step DIE_AT, before the gradients go to the other groups (its peers are then
-in that step's all-reduce with a group that is gone: the step cannot commit). At the end it writes
+while some are missing (a lost group has time to come back before the run ends). DIE_AT > 0: the rank (every
+rank, or only RANK) SIGKILLs itself right after the backward of step DIE_AT, before the gradients go to the other
+groups (its peers are then in that step's all-reduce with a group that is gone: the step cannot commit). At the
+end it writes
 `digest-rank{R}.json` into the run folder: the step reached and a sha256 of this rank's local shards of the model
 and of the optimizer state, which two groups share bit for bit when they hold the same weights.
 """
@@ -33,11 +34,12 @@ def _sha(tensors) -> str:
 
 
 class PaceAndDigest(TrainerCallback):
-    def __init__(self, together: float, alone: float, die_at: int):
-        self.together, self.alone, self.die_at = together, alone, die_at
+    def __init__(self, together: float, alone: float, die_at: str):
+        step, _, rank = die_at.partition("@")
+        self.together, self.alone, self.die_at, self.die_rank = together, alone, int(step), rank
 
     def on_after_backward(self, trainer):
-        if trainer.state.batch_count == self.die_at:
+        if trainer.state.batch_count == self.die_at and self.die_rank in ("", str(trainer.rank)):
             os.kill(os.getpid(), signal.SIGKILL)
 
     def on_step_end(self, trainer, metrics):
@@ -54,5 +56,5 @@ class PaceAndDigest(TrainerCallback):
 
 if __name__ == "__main__":
     together, alone, die_at, sep, *rest = sys.argv[1:]
-    assert sep == "--", "usage: ft_driver.py PACE_TOGETHER PACE_ALONE DIE_AT -- ARGS"
-    sys.exit(train.main(rest, extra_callbacks=[PaceAndDigest(float(together), float(alone), int(die_at))]))
+    assert sep == "--", "usage: ft_driver.py PACE_TOGETHER PACE_ALONE DIE_AT[@RANK] -- ARGS"
+    sys.exit(train.main(rest, extra_callbacks=[PaceAndDigest(float(together), float(alone), die_at)]))

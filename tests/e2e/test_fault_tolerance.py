@@ -19,11 +19,13 @@ STEPS = 16
 KILL_AT = 6
 
 
-def group_args(run: Path, replica_id: int, lighthouse: str, die_at: int = 0) -> list[str]:
-    """ft_driver.py: 0.05 s between steps with both groups in the quorum, 0.4 s alone (time for group 1 to come
-    back before the end), SIGKILLed after the backward of step `die_at` (0: never); then train.py's arguments."""
-    return ["0.05", "0.4", str(die_at), "--", "--config", "configs/tiny.py", "--run-dir", str(run), "--set",
-            f"data.total_steps={STEPS}", "data.seq_len=64", "data.micro_num=1", "data.valid_every=0",
+def group_args(run: Path, replica_id: int, lighthouse: str, die_at: int | str = 0, steps: int = STEPS,
+               alone: float = 0.4) -> list[str]:
+    """ft_driver.py: 0.05 s between steps with both groups in the quorum, `alone` s otherwise (time for group 1 to
+    come back before the end), SIGKILLed after the backward of step `die_at` (0: never; "S@R": rank R only); then
+    train.py's arguments."""
+    return ["0.05", str(alone), str(die_at), "--", "--config", "configs/tiny.py", "--run-dir", str(run), "--set",
+            f"data.total_steps={steps}", "data.seq_len=64", "data.micro_num=1", "data.valid_every=0",
             "monitor.tensorboard=False", "monitor.log_every=100", "parallel.fault_tolerance.enable=True",
             f"parallel.fault_tolerance.replica_id={replica_id}", "parallel.fault_tolerance.group_size=2",
             f"parallel.fault_tolerance.lighthouse={lighthouse}", "parallel.fault_tolerance.timeout=10",
@@ -97,3 +99,26 @@ def test_groups_of_one_process_meet_through_a_store_they_host(tmp_path):
         assert codes == [0], out[-6000:]
     assert train_records(runs[0])[-1]["ft/participants"] == 2
     assert digest(runs[0], 0) == dict(digest(runs[1], 0), heals=digest(runs[0], 0)["heals"])
+
+
+def test_a_group_with_one_dead_rank_leaves_at_once_and_the_other_trains_on(tmp_path):
+    """Rank 1 of group 1 dies inside a step; its rank 0, waiting for the group's vote, is stopped by its agent
+    (SIGTERM) and leaves at once instead of heartbeating on (torchft forms no quorum without more than half of the
+    heartbeating groups: group 0 would wait for it until its quorum_timeout and die); group 0 trains that step again
+    alone and finishes."""
+    lighthouse = Lighthouse(tmp_path / "lighthouse.log")
+    g0_run, g1_run = tmp_path / "group0", tmp_path / "group1"
+    try:
+        group0 = start_group(0, 2, group_args(g0_run, 0, lighthouse.url, steps=10, alone=0.05))
+        wait_for(lambda: train_records(g0_run), 120, "group 0's first step", group0)
+        group1 = start_group(1, 2, group_args(g1_run, 1, lighthouse.url, die_at="5@1", steps=10, alone=0.05))
+        codes1, out1 = wait_group(group1, 120)
+        codes0, out0 = wait_group(group0, 120)
+    finally:
+        lighthouse.stop()
+    assert codes1[1] == -9 and codes1[0] not in (0, None), out1[-4000:]
+    assert "replica group 1: SIGTERM (its agent stops it) while waiting for its" in (g1_run / "rank0.log").read_text()
+    assert codes0 == [0, 0], out0[-6000:]
+    recs0 = train_records(g0_run)
+    assert [r["step"] for r in recs0] == list(range(1, 11)) and recs0[4]["ft/participants"] == 1
+    assert max(r["ft/quorum_time"] for r in recs0) < 10  # never near the 30 s quorum_timeout
