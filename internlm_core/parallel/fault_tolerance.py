@@ -164,7 +164,10 @@ class TorchFTReplicas:
         t0 = time.perf_counter()
         try:
             committed = bool(self._sigterm.wait(self.manager.should_commit, "its commit vote"))
-        except RuntimeError as e:  # torchft: more consecutive failures than max_retries
+        except RuntimeError as e:
+            if "max_retries" not in str(e):
+                raise
+            # torchft: more consecutive uncommitted steps than max_retries
             raise TrainingError(f"replica group {self.replica_id}: {e} "
                                 f"(parallel.fault_tolerance.max_retries)") from None
         self.error = None if committed else str(self.manager.errored() or "a peer group voted no")

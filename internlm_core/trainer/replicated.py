@@ -65,6 +65,14 @@ class ReplicatedTrainer(Trainer):
             raise StepNotCommitted(f"step {self.state.batch_count} of replica group {self.replicas.replica_id}")
         return super().optimizer_step()
 
+    def train(self) -> TrainState:
+        """Trainer.train; then this group leaves the quorum at once (its peers need not wait for its heartbeat to
+        stop)."""
+        try:
+            return super().train()
+        finally:
+            self.replicas.close()
+
     def train_step(self, batch: dict, t_start: float) -> dict:
         """Trainer.train_step, with this step's quorum in its metrics (ft/participants, ft/quorum_time, ...)."""
         metrics = super().train_step(batch, t_start)
