@@ -4,6 +4,7 @@ the way a lost node kills them (SIGKILL, no warning)."""
 
 from __future__ import annotations
 
+import ctypes
 import json
 import os
 import signal
@@ -21,6 +22,12 @@ from tests.helpers.launch import ROOT, env
 LIGHTHOUSE = Path(sys.executable).with_name("torchft_lighthouse")
 
 
+def _die_with_parent() -> None:
+    """In the lighthouse's process before it starts: SIGKILL it when the test process dies (Linux), so that a test
+    run killed from outside leaves no lighthouse behind."""
+    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL, 0, 0, 0)  # 1: PR_SET_PDEATHSIG
+
+
 class Lighthouse:
     """`torchft_lighthouse` on a free loopback port, its output in `log`; `url` is what the groups are given."""
 
@@ -31,7 +38,8 @@ class Lighthouse:
         self.proc = subprocess.Popen(
             [str(LIGHTHOUSE), "--min_replicas", str(min_replicas), "--bind", f"127.0.0.1:{self.port}",
              "--heartbeat_timeout_ms", str(heartbeat_timeout_ms), "--join_timeout_ms", str(join_timeout_ms),
-             "--quorum_tick_ms", "50"], stdout=open(log, "w"), stderr=subprocess.STDOUT, start_new_session=True)
+             "--quorum_tick_ms", "50"], stdout=open(log, "w"), stderr=subprocess.STDOUT, start_new_session=True,
+            preexec_fn=_die_with_parent)
         deadline = time.monotonic() + 20
         while time.monotonic() < deadline:  # listening: a group that starts now finds it
             with socket.socket() as s:
