@@ -1,13 +1,13 @@
 #!/usr/bin/env python
 """One rank of large jobs on this machine: the estimator's CPU prediction against a simulated run, side by side.
 
-For each case (7B on 8 ranks, 20B on 64, 70B on 256, each in a layout the estimator gives; short sequences so
+For each case (7B on 8 ranks, 20B on 64, 70B on 256, Mixtral-8x7B on 64, each in a layout the estimator gives; short sequences so
 that the rank's compute takes minutes on a CPU), it runs `tools/estimate.py --device cpu --json` and
 `train.py --simulate WORLD` (rank 0, `data.total_steps` 2), then prints one table: parameters the rank holds,
 the estimator's total, the simulated peak (memory_report.json), their ratio, and the wall time. A case whose
 share does not fit in this machine's memory is reported as refused, with what it needs.
 
-    python bench/simulate_table.py [--out build/simulate_table] [--cases 7B@8,20B@64,70B@256]
+    python bench/simulate_table.py [--out build/simulate_table] [--cases 7B@8,20B@64,70B@256,mixtral@64]
 
 Slow by design: the 70B case materializes and trains ~2.2 B parameters of one stage on the CPU (about 15
 minutes on 2 cores); the cases run one after the other. Results: <out>/<case>/ (run folders) and <out>/table.md.
@@ -34,6 +34,10 @@ CASES = {
                                       "parallel.pipeline=1"]),
     "70B@256": ("configs/70B.py", 256, ["parallel.zero1=-1", "parallel.tensor=8", "parallel.pipeline=4",
                                         "parallel.sequence_parallel=False"]),
+    # Mixtral-8x7B (46.7 B parameters): expert parallel 8, everything FSDP-sharded over the 64 data-parallel ranks,
+    # the experts over the 8 left (the estimator's layout for 64 GPUs; tensor parallel would replicate the experts)
+    "mixtral@64": ("configs/mixtral_8x7B.py", 64, ["parallel.zero1=-1", "parallel.expert=8", "parallel.tensor=1",
+                                                   "parallel.pipeline=1"]),
 }
 
 

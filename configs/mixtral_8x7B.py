@@ -1,11 +1,13 @@
 # Mixtral-8x7B's shape (32 layers, hidden 4096, 32 query heads, 8 key/value heads, 8 experts of SwiGLU width 14336,
 # top-2 dropless routing, vocabulary 32000: 46,702,792,704 parameters, 12.9 B active per token), in InternLM's keys.
 # Layouts (tools/estimate.py --config configs/mixtral_8x7B.py --gpus N --set ..., 80 GiB GPUs, bf16, seq 4096,
-# micro_bsz 1, micro_num 8; tensor parallel of MoE models is not implemented yet):
+# micro_bsz 1, micro_num 8; tensor parallel replicates the routed experts over the tensor ranks (InternEvo's no_tp), so
+# it does not shrink them: tensor 2 x expert 8 needs 66.3 GiB, no less than tensor 1):
 #   64 GPUs:  pipeline 1, FSDP over dp 64, expert parallel 8 (experts FSDP over the 8 left): 56.9 GiB  <- below
 #   64 GPUs:  pipeline 4, FSDP over dp 16, expert parallel 8:                                    58.9 GiB
 #   128 GPUs: pipeline 1, FSDP over dp 128, expert parallel 8:                                  51.4 GiB
-# Not yet measured against a simulated rank (issue 25, item 5).
+# Rank 0 of 64 simulated on a CPU (bench/simulate_table.py --cases mixtral@64: seq 128, 4 micro-batches, bf16):
+# see the README's table.
 JOB_NAME = "mixtral_8x7b_train"
 DO_ALERT = False
 

@@ -95,6 +95,7 @@ def main(argv=None) -> int:
     if args.json:
         mem = {k: getattr(e.memory, k) / GiB for k in Memory.ORDER}
         mem["total"] = e.memory.total / GiB
+        mem["cuda_context_nccl"] = e.device_runtime / GiB  # outside the allocator, not in the total
         print(json.dumps({
             "config": args.config, "gpus": args.gpus, "layout": e.layout.describe(), "precision": e.precision,
             "attention": e.attention, "cross_entropy": e.cross_entropy, "grad_reduce": e.grad_reduce,

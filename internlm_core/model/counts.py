@@ -88,6 +88,8 @@ class ActivationContext:
     autocast: 16-bit compute over fp32 parameters (every linear casts its input and weight).
     attention: the attention kernel ("flash", "sdpa", "cpu_blocked").
     packed_documents: rows pack several documents (data.pack_sample_into_one False): attention needs masks.
+    repeat_kv: SDPA under a document mask repeats grouped-query k/v to the query heads (CUDA: its mask-taking
+        kernel takes no fewer k/v heads, see attention.sdpa_attention), and keeps the copies for backward.
     """
 
     seq_len: int
@@ -97,6 +99,7 @@ class ActivationContext:
     autocast: bool
     attention: str
     packed_documents: bool
+    repeat_kv: bool = False
 
 
 def _none(args: Any, ctx: ActivationContext) -> list[Term]:

@@ -55,6 +55,9 @@ def test_expert_parallel_equals_one_expert_group(tmp_path):
                                ("ep4", 4, ["parallel.expert=-1", "data.micro_num=1"])):  # -1: all of dp
         records = _run(tmp_path, name, nproc, [*DROPLESS, *extra])
         _close(losses, [r["loss"] for r in records], name)
+        # the load metrics sum the data-parallel ranks' routing: the global batch's, as one process routes it
+        for key in ("moe/layer0/max_load", "moe/layer1/min_load", "moe/aux_loss"):
+            _close([r[key] for r in ref], [r[key] for r in records], f"{name} {key}")
         micro_num = 2 if name == "ep2" else 1
         # the step's token all-to-alls: dispatch and combine, forward and backward, per layer and micro-batch;
         # at most every routed copy (2 per token) of the rank's 2 x 64-token rows, fp32, hidden 64, four times

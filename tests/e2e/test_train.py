@@ -52,5 +52,5 @@ def test_bad_override_is_one_line_error(tmp_path):
     assert p.returncode == 2
     assert p.stderr.strip().splitlines() == [
         "error: configs/tiny.py: model.num_attention_heads (5) must divide model.hidden_size (128): "
-        "each head gets hidden_size / num_attention_heads channels"]
+        "each head gets hidden_size / num_attention_heads channels (or set model.head_dim)"]
     assert "Traceback" not in p.stderr

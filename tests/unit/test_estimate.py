@@ -355,3 +355,26 @@ def test_estimate_within_25_percent_of_measured_cpu_peak(tmp_path, extra, linear
     mem = estimate(load_config("configs/tiny.py", sets), 1, device="cpu", linear=kernel).memory
     assert abs(mem.total / measured - 1) <= 0.25, (mem.total / 2**20, measured / 2**20)
     assert abs(mem.states - (peak["parameters"] + peak["gradients"] + peak["optimizer_state"])) < 0.02 * mem.states
+
+
+def test_cuda_terms_outside_the_allocator_and_the_gqa_repeat():
+    """estimate(device="cuda") adds what the CUDA allocator does not see (the context, one NCCL communicator per
+    process group of more than one rank), shown beside the total and counted in the fit; SDPA under a document mask
+    on CUDA repeats grouped-query k/v to the query heads and keeps them (CPU's SDPA does not)."""
+    from internlm_core.config.loader import load_config
+    from internlm_core.estimate import estimate, format_estimate
+    from internlm_core.estimate.figures import CUDA_CONTEXT_BYTES, NCCL_COMMUNICATOR_BYTES
+    gqa = ["model_type=INTERNLM2", "model.qkv_bias=False", "model.num_kv_attention_heads=8",
+           "data.pack_sample_into_one=False"]
+    cfg = load_config("configs/7B.py", overrides=[*gqa, "parallel.tensor=2", "parallel.zero1=-1"], world_size=8)
+    e = estimate(cfg, 8, attention="sdpa", device_memory_gib=80)
+    assert e.device_runtime == CUDA_CONTEXT_BYTES + 2 * NCCL_COMMUNICATOR_BYTES  # FSDP over 4, tensor 2
+    assert "+ CUDA context, NCCL" in format_estimate(e)
+    assert estimate(cfg, 8, attention="sdpa", device="cpu").device_runtime == 0
+    flash = estimate(cfg, 8, attention="flash")
+    a = cfg.model
+    q, kv = a.hidden_size, a.num_kv_attention_heads * a.hidden_size // a.num_attention_heads
+    tokens_held = e.memory.activations - flash.memory.activations  # the mask, and the repeated k/v per layer
+    repeat = a.num_layers * cfg.data.micro_bsz * cfg.data.seq_len * 2 * 2 * (q - kv) / 2  # bf16, tensor 2
+    mask = a.num_layers * cfg.data.micro_bsz * cfg.data.seq_len * 2 * cfg.data.seq_len
+    assert tokens_held == pytest.approx(repeat + mask, rel=0.02)

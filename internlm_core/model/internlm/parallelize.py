@@ -140,6 +140,7 @@ def _chunk_view(model: nn.Module, stage: int, num_stages: int, layer_names: list
     chunk.norm = model.norm if last else None
     chunk.output = model.output if last else None
     chunk.rope = model.rope  # shared: materializing the model materializes the chunks' tables too
+    chunk.context = model.context  # None: the pipeline refuses context parallel (config/rules.py)
     return chunk
 
 

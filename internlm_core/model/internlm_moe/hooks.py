@@ -1,7 +1,8 @@
 """The MoE families' part of the step loop (model.TrainingHooks): the auxiliary losses' gradient scale, the
 aux-loss-free expert-bias update, and the load-balance metrics of each step.
 
-Metrics per MoE layer i (over the step's micro-batches, as this rank routed them):
+Metrics per MoE layer i (over the step's micro-batches, summed over the data-parallel ranks that hold the layer:
+the global batch's routing, the same under every layout):
     moe/layer{i}/max_load, min_load   tokens of the busiest / idlest expert over the mean (1.0: balanced)
     moe/layer{i}/dropped              fraction of routed (token, expert) pairs over capacity (0 when dropless)
     moe/layer{i}/aux_loss, z_loss     the load-balancing and router z-losses (before their coefficients)
@@ -11,7 +12,13 @@ comm/all_to_all_bytes and comm/all_to_alls: what this rank's token all-to-alls s
 
 from __future__ import annotations
 
+from typing import Optional
+
+import torch
+import torch.distributed as dist
 import torch.nn as nn
+
+from ...utils import collectives
 
 from ..moe import MoEFeedForward, pop_all_to_all_bytes, set_aux_loss_scale, update_expert_bias
 from ..spec import TrainingHooks
@@ -28,19 +35,46 @@ def moe_named_layers(model: nn.Module) -> list[tuple[str, MoEFeedForward]]:
     return sorted(out, key=lambda item: int(item[0]) if item[0].isdigit() else 0)
 
 
-def moe_step_metrics(model: nn.Module) -> dict[str, float]:
-    """The step's load-balance metrics (module docstring); empty when no MoE layer ran this step."""
-    out: dict[str, float] = {}
-    per_layer = []
-    for index, layer in moe_named_layers(model):
-        stats = layer.pop_step_stats()
-        if stats is None:
+def _step_table(layers: list[tuple[str, MoEFeedForward]], group: Optional[dist.ProcessGroup]) -> Optional[torch.Tensor]:
+    """[layers, E + 5] float64: per layer the pairs routed to each expert, dropped pairs, pairs, aux loss, z loss and
+    forwards of the step, summed over `group` (one all-reduce for every layer); None when no layer ran anywhere."""
+    if not layers:
+        return None
+    device = layers[0][1].gate.weight.device  # the group's device (NCCL takes no CPU tensors)
+    rows = []
+    for _, layer in layers:
+        s = layer.pop_step_stats()
+        E = layer.args.num_experts
+        if s is None:
+            rows.append(torch.zeros(E + 5, dtype=torch.float64, device=device))
             continue
-        load = stats.tokens_per_expert.double()
+        pairs = s.num_tokens * layer.args.top_k
+        rows.append(torch.cat([s.tokens_per_expert.to(device=device, dtype=torch.float64), torch.tensor(
+            [float(s.dropped_fraction) * pairs, pairs, float(s.aux_loss), float(s.z_loss), 1.0],
+            dtype=torch.float64, device=device)]))
+    table = torch.stack(rows)
+    if group is not None and dist.get_world_size(group) > 1:
+        collectives.all_reduce(table, group=group)
+    return table.cpu()
+
+
+def moe_step_metrics(model: nn.Module, group: Optional[dist.ProcessGroup] = None) -> dict[str, float]:
+    """The step's load-balance metrics (module docstring); empty when no MoE layer ran this step. `group`: the
+    data-parallel ranks whose routing is summed (every rank of it must call; None: this rank's alone)."""
+    out: dict[str, float] = {}
+    layers = moe_named_layers(model)
+    table = _step_table(layers, group)
+    per_layer = []
+    for (index, layer), row in zip(layers, table if table is not None else []):
+        E = layer.args.num_experts
+        forwards = float(row[E + 4])
+        if forwards == 0:
+            continue
+        load = row[:E]
         mean = float(load.mean()) or 1.0
         record = {"max_load": float(load.max()) / mean, "min_load": float(load.min()) / mean,
-                  "dropped": float(stats.dropped_fraction), "aux_loss": float(stats.aux_loss),
-                  "z_loss": float(stats.z_loss)}
+                  "dropped": float(row[E]) / max(float(row[E + 1]), 1.0), "aux_loss": float(row[E + 2]) / forwards,
+                  "z_loss": float(row[E + 3]) / forwards}
         out.update({f"moe/layer{index}/{k}": v for k, v in record.items()})
         per_layer.append(record)
     sent = pop_all_to_all_bytes()
