@@ -4,7 +4,7 @@
 
 After every step the rank sleeps PACE_TOGETHER seconds while every replica group is in the quorum and PACE_ALONE
 while some are missing (a lost group has time to come back before the run ends). DIE_AT > 0: the rank (every
-rank, or only RANK) SIGKILLs itself right after the backward of step DIE_AT, before the gradients go to the other
+rank, or only RANK) SIGKILLs itself right after the backward of its first step at or past DIE_AT, before the gradients go to the other
 groups (its peers are then in that step's all-reduce with a group that is gone: the step cannot commit). At the
 end it writes
 `digest-rank{R}.json` into the run folder: the step reached and a sha256 of this rank's local shards of the model
@@ -39,7 +39,8 @@ class PaceAndDigest(TrainerCallback):
         self.together, self.alone, self.die_at, self.die_rank = together, alone, int(step), rank
 
     def on_after_backward(self, trainer):
-        if trainer.state.batch_count == self.die_at and self.die_rank in ("", str(trainer.rank)):
+        # >=: a group that joins late heals past die_at (a loaded machine starts it after the others moved on)
+        if self.die_at and trainer.state.batch_count >= self.die_at and self.die_rank in ("", str(trainer.rank)):
             os.kill(os.getpid(), signal.SIGKILL)
 
     def on_step_end(self, trainer, metrics):

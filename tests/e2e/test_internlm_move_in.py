@@ -1,6 +1,6 @@
 """An InternLM user's and an InternEvo user's first runs: InternLM's own 7B config (aaaf4d7) and InternEvo's
 InternLM2 config train 3 steps with the model shape made smaller (and the sequence 64 tokens, so that CPU tests
-stay short); the InternEvo run, under its tensor mode isp (tensor + sequence parallel over 2 ranks here), starts
+stay short); the InternEvo run, under its tensor mode isp (context parallel all_to_all over 2 ranks here), starts
 from an InternEvo-format checkpoint folder and its first loss equals the loss of that folder's weights loaded
 into one process."""
 
@@ -57,7 +57,8 @@ def test_internevo_internlm2_config_trains_under_isp_from_an_internevo_folder(tm
     p = run_train(["--config", str(FIXTURES / "internevo_7B_internlm2.py"), "--run-dir", str(tmp_path / "run"),
                    "--set", *sets, f"ckpt.load_ckpt_info={info!r}"], nproc=2, timeout=600)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
-    assert "parallel.tensor.mode='isp'" in p.stdout and "tp=2" in p.stdout
+    # InternEvo's isp is context parallel here (the 2 ranks share each sequence, all_to_all like its isp)
+    assert "parallel.tensor.mode='isp' size 2" in p.stdout + p.stderr and "cp=2" in p.stdout
     assert f"loaded {folder} (type internlm; content model)" in p.stdout
     assert "took model (" in p.stdout and "fresh sampler, optimizer, scheduler" in p.stdout
     assert "hang_timeout 300" not in p.stdout  # no hang in 3 steps, though the watchdog is on (alert file set)

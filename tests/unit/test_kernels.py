@@ -216,7 +216,8 @@ def test_fp32_inputs_reach_flash_attn_as_bf16(monkeypatch):
     from internlm_core.model.attention import attention, build_packed_meta
     seen = []
 
-    def kernel(q, k, v, *args, causal):
+    def kernel(q, k, v, *args, causal, window_size):
+        assert window_size == (-1, -1)  # no sliding window configured
         assert q.dtype in (torch.float16, torch.bfloat16) and k.dtype == v.dtype == q.dtype
         seen.append((q.dtype, args))
         return q.clone()

@@ -54,8 +54,8 @@ def test_terms_divide_by_their_mesh_dimensions():
     assert per_device([experts, dense, Term("norm", 10, ("sp",))], lay.sizes) == 8_000 + 500 + 10
     # FSDP shards the experts over the data-parallel ranks "ep" leaves (8 / 4), the rest over all 8
     assert fsdp_share([experts], lay) == 64_000 / 8 / 2 and fsdp_share([dense], lay) == 1_000 / 2 / 8
-    with pytest.raises(ConfigError, match="mesh dimension 'cp', which neither the generic layout"):
-        per_device([Term("ring attention", 1, ("cp",))], lay.sizes)
+    with pytest.raises(ConfigError, match="mesh dimension 'xp', which neither the generic layout"):
+        per_device([Term("future dimension", 1, ("xp",))], lay.sizes)
 
 
 def test_a_family_adds_its_own_terms_without_the_estimator_changing():
