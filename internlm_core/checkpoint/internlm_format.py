@@ -2,7 +2,8 @@
 
 A folder holds `model_tp{t}_pp{p}.pt` (one state dict per tensor and pipeline rank of the run that saved it, keys
 under "model." as InternLM's NaiveAMPModel names them, layers numbered from 0 on every stage), `model_config.pt`
-(InternLM's `model` section) and, for InternLM's own resume, optimizer/scheduler/sampler files this reader does not
+(InternLM's `model` section), InternEvo's MoE experts in files of their own (`model_moe_layer{L}_expert{e}_tp{t}.pt`,
+merged into tensor rank t's state dict on read, split out on write) and, for InternLM's own resume, optimizer/scheduler/sampler files this reader does not
 use (InternLM's HybridZeroOptimizer state has no meaning for AdamW under FSDP2: a load is model content).
 
 Reading merges the pipeline stages as InternLM's tools/transformers/convert2hf.py does (each stage's layer numbers
@@ -29,8 +30,12 @@ from .safetensors_io import safe_load
 
 MODEL_FILE = re.compile(r"^model_tp(\d+)_pp(\d+)\.pt$")
 FSDP_FILE = re.compile(r"^model_tp(\d+)_pp(\d+)_(?:dp|zo)(\d+)\.pt$")
+# InternEvo's MoE experts, one file per (global layer, expert, expert tensor/weight-parallel rank)
+MOE_FILE = re.compile(r"^model_moe_layer(\d+)_expert(\d+)_(tp|wp)(\d+)\.pt$")
+_EXPERT_IN_KEY = re.compile(r"(?:^|\.)(?:blocks|layers)\.(\d+)\.(.*\.experts\.wrapped_experts\.\d+\..+)$")
 MODEL_CONFIG = "model_config.pt"
 _LAYER = re.compile(r"\.(\d+)\.")
+_EXPERT_FILE_KEY = re.compile(r"\.experts\.wrapped_experts\.(\d+)\.")
 # the model_config.pt keys a load checks against the built model (the FFN width comes from the tensors)
 _CHECKED = ("num_layers", "hidden_size", "num_attention_heads", "vocab_size", "num_kv_attention_heads")
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -85,12 +90,45 @@ def merge_stages(stages: list[Mapping[str, Any]], where: str) -> dict[str, torch
     return out
 
 
+def read_expert_files(folder: Path, tp: int) -> dict[int, dict[str, torch.Tensor]]:
+    """InternEvo's MoE expert files as {expert tensor rank: {blocks.{L}.mlp...wrapped_experts.{e}.w: tensor}}.
+
+    The file name holds the global layer L (InternEvo numbers MoE layers across pipeline stages); the keys inside
+    hold the stage's own block number, so the name's L replaces it. Experts saved under InternEvo's isp mode are
+    named by weight-parallel rank (`_wp{r}`): whole experts when one rank saved them; split ones are refused."""
+    out: dict[int, dict[str, torch.Tensor]] = {}
+    for f in sorted(folder.iterdir()):
+        m = MOE_FILE.match(f.name)
+        if m is None:
+            continue
+        layer, mode, rank = int(m.group(1)), m.group(3), int(m.group(4))
+        if mode == "wp" and rank > 0:
+            raise CheckpointError(f"{f}: experts split over InternEvo's expert weight-parallel ranks (isp) are not "
+                                  f"supported; save them with parallel.expert_weight size 1")
+        if rank >= tp:
+            raise CheckpointError(f"{f}: expert tensor rank {rank}, but the folder's model files have {tp} tensor "
+                                  f"rank(s)")
+        states = safe_load(f)
+        if not isinstance(states, Mapping):
+            raise CheckpointError(f"{f}: expected a state dict of one expert's weights")
+        for key, value in states.items():
+            k = key[len("model."):] if key.startswith("model.") else key
+            km = _EXPERT_IN_KEY.search(k)
+            if km is None or not isinstance(value, torch.Tensor):
+                raise CheckpointError(f"{f}: key {key!r} is not an expert weight (blocks.N.mlp.moe_layer.experts."
+                                      f"wrapped_experts.E.w*.weight)")
+            out.setdefault(rank, {})[f"blocks.{layer}.{km.group(2)}"] = value
+    return out
+
+
 def read_internlm_folder(folder: str | os.PathLike) -> tuple[dict[int, dict[str, torch.Tensor]], dict]:
-    """({tensor rank: state dict, stages merged}, model_config.pt's dict or {})."""
+    """({tensor rank: state dict, stages merged, InternEvo's expert files in it}, model_config.pt's dict or {})."""
     folder = Path(folder)
     tp, pp = folder_layout(folder)
     shards = {t: merge_stages([safe_load(folder / f"model_tp{t}_pp{p}.pt") for p in range(pp)], str(folder))
               for t in range(tp)}
+    for t, experts in read_expert_files(folder, tp).items():
+        shards[t].update(experts)
     config: dict = {}
     if (folder / MODEL_CONFIG).is_file():
         loaded = safe_load(folder / MODEL_CONFIG)
@@ -174,6 +212,7 @@ def write_internlm_folder(out_dir: str | os.PathLike, cfg: Any,
     layer_of = {key: int(_LAYER.search(key + ".").group(1)) for key in plan if _LAYER.search(key + ".")}
     first_layer = min(order.index(k) for k in layer_of)
     files = []
+    experts: dict[tuple[int, int, int], dict[str, torch.Tensor]] = {}  # (global layer, expert, tensor rank)
     for p, (lo, hi) in enumerate(partition_uniform(m.num_layers, pp)):
         # groups before the layers (the embedding) go to the first stage, those after them to the last
         keys = [k for i, k in enumerate(order) if (k in layer_of and lo <= layer_of[k] < hi) or
@@ -192,11 +231,20 @@ def write_internlm_folder(out_dir: str | os.PathLike, cfg: Any,
                     mm = _LAYER.search(name)
                     if mm:  # InternLM numbers the layers of every stage from 0
                         name = f"{name[:mm.start()]}.{int(mm.group(1)) - lo}.{name[mm.end():]}"
+                    em = _EXPERT_FILE_KEY.search(name)
+                    if em:  # InternEvo saves each expert in its own file, named by the global layer
+                        experts.setdefault((int(mm.group(1)), int(em.group(1)), t), {})["model." + name] = tensor
+                        continue
                     stage[t]["model." + name] = tensor
         for t in range(tp):
             path = out / f"model_tp{t}_pp{p}.pt"
             torch.save(stage[t], path)
             files.append(path)
+        for (layer, e, t), sd in sorted(experts.items()):
+            path = out / f"model_moe_layer{layer}_expert{e}_tp{t}.pt"
+            torch.save(sd, path)
+            files.append(path)
+        experts.clear()
         if progress is not None:
             progress(f"pipeline stage {p}: layers {lo}..{hi - 1}, {tp} tensor shard(s)")
     config = adapter.foreign_config(cfg.model_inputs(), dtype) if adapter.foreign_config is not None else {}

@@ -76,3 +76,33 @@ def test_internevo_internlm2_config_trains_under_isp_from_an_internevo_folder(tm
         ref = trainer.forward_backward(batch, forward_only=True).item()
     assert abs(losses[0] - ref) <= 1e-4, (losses[0], ref)
     assert json.loads((tmp_path / "run" / "launch.json").read_text())["world_size"] == 2
+
+
+def test_internevo_moe_config_trains_from_an_internevo_moe_folder_under_expert_parallel(tmp_path):
+    """InternEvo's 7B_MoE4 config as written (expert=dict(size=-1): the 2 data-parallel ranks are the expert
+    group) starts from an InternEvo MoE folder (experts in model_moe_layer*_expert*_tp*.pt); its losses equal
+    the losses of the same folder trained without expert parallel (lr 0: every step sees the folder's weights)."""
+    sets = [*SMALL, "adam.lr=0.0", "lr_scheduler.eta_min=0.0", "ckpt.auto_resume=False",
+            f"monitor.alert.alert_file_path={tmp_path}/alerts.jsonl"]
+    cfg = load_config(FIXTURES / "internevo_7B_MoE4_sft.py", sets)
+    torch.manual_seed(0)
+    model = build_model(cfg)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.05)
+    folder = tmp_path / "internevo_moe_ckpt"
+    write_internlm_folder(folder, cfg, model.state_dict(), dtype="float32")
+    assert len(list(folder.glob("model_moe_layer*_expert*_tp0.pt"))) == 2 * 4
+    info = {"path": str(folder), "content": ("model",), "ckpt_type": "internevo"}
+    p = run_train(["--config", str(FIXTURES / "internevo_7B_MoE4_sft.py"), "--run-dir", str(tmp_path / "run"),
+                   "--set", *sets, f"ckpt.load_ckpt_info={info!r}"], nproc=2, timeout=600)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    assert f"loaded {folder} (type internlm; content model)" in p.stdout and "ep=2" in p.stdout
+    losses = [r["loss"] for r in read_metrics(tmp_path / "run")]
+    assert len(losses) == 3
+
+    # the same folder and global batch without expert parallel (each rank all 4 experts): the same losses
+    ref = run_train(["--config", str(FIXTURES / "internevo_7B_MoE4_sft.py"), "--run-dir", str(tmp_path / "ep1"),
+                     "--set", *sets, "parallel.expert=1", f"ckpt.load_ckpt_info={info!r}"], nproc=2, timeout=600)
+    assert ref.returncode == 0, ref.stdout[-3000:] + ref.stderr[-3000:]
+    assert losses == pytest.approx([r["loss"] for r in read_metrics(tmp_path / "ep1")], abs=1e-5)

@@ -105,6 +105,8 @@ def to_internlm(sd: Mapping[str, torch.Tensor], ctx: AdapterContext) -> dict[int
             wo = p["attention.wo.weight"]
             p = {**p, "attention.wo.bias": torch.zeros(wo.shape[0], dtype=wo.dtype, device=wo.device)}
         for ours, (theirs, dim) in _SIMPLE.items():
+            if ours.startswith("feed_forward.") and ours not in p:
+                continue  # a mixture-of-experts block: its family's adapter names the feed-forward
             put(pre + theirs, _split(p[ours], tp, dim))
         inv_freq = 1.0 / (a.rope_base ** (torch.arange(0, a.head_dim, 2, dtype=torch.float32) / a.head_dim))
         put(pre + "mixer.rotary_emb.inv_freq", [inv_freq] * tp)

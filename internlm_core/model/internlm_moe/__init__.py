@@ -12,6 +12,7 @@ from ..internlm.rules import bias_default
 from .counts import COUNTS, flops_per_token
 from .hf import MIXTRAL_HF
 from .hooks import MOE_HOOKS
+from .internlm_ckpt import INTERNEVO_MOE_CKPT
 from .model import MoEModelArgs, MoETransformer
 from .parallelize import MOE_PLAN
 from .rules import build_moe_args, moe_args, validate_moe
@@ -24,7 +25,8 @@ INTERNLM_MOE = register_model(ModelSpec(
     validate=lambda inputs: validate_moe(inputs, grouped_query=False),
     sizes={"7B_MoE4": dict(num_layers=32, hidden_size=4096, num_attention_heads=32, vocab_size=103168,
                            mlp_ratio=4 / 3, num_experts=4)},
-    counts=COUNTS, flops_per_token=flops_per_token, adapters={"hf": MIXTRAL_HF}, hooks=MOE_HOOKS,
+    counts=COUNTS, flops_per_token=flops_per_token, adapters={"hf": MIXTRAL_HF, "internlm": INTERNEVO_MOE_CKPT},
+    hooks=MOE_HOOKS,
 ))
 
 MIXTRAL = register_model(ModelSpec(
