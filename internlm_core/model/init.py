@@ -54,7 +54,8 @@ def shard_indices(param: torch.Tensor) -> Optional[list[torch.Tensor]]:
     for mesh_dim, placement in enumerate(param.placements):
         if isinstance(placement, Replicate):
             continue
-        if not isinstance(placement, Shard):  # Partial: no elements of their own to draw
+        # (torch 2.13's _StridedShard is no Shard subclass; earlier ones were)
+        if not isinstance(placement, (Shard, _StridedShard)):  # Partial: no elements of their own to draw
             return None
         d, parts, part = placement.dim % len(shape), mesh.size(mesh_dim), coordinate[mesh_dim]
         if isinstance(placement, _StridedShard):  # split in split_factor pieces, each cut in `parts`

@@ -67,3 +67,10 @@ class ContextCut:
         # a micro-batch without any counted token has loss 0 everywhere (the loss's count is clamped to 1)
         out["loss_share"] = int((out["labels"] != -100).sum()) / total if total else 0.0
         return out
+
+    @staticmethod
+    def step_metrics() -> dict[str, int]:
+        """comm/context_{ring,all_to_all,2d,layout}_bytes: what this rank sent for context parallel since the last
+        step's record (attention exchanges forward and backward, validation forwards included; model/context)."""
+        from ..model.context import pop_context_bytes
+        return {f"comm/context_{k}_bytes": v for k, v in pop_context_bytes().items() if v}

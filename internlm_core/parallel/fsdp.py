@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 import torch.nn as nn
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import DTensor, Shard
 
 from ..distributed.parallel_dims import ParallelDims
 
@@ -55,6 +56,21 @@ def _data_mesh(dims: ParallelDims, shard: str):
     return dims.submesh(shard)
 
 
+def even_shard_placement(shards: int) -> Callable[[nn.Parameter], Optional[Shard]]:
+    """FSDP's placement for a parameter a family's dimension already cut: dim 0 (FSDP's default) when its local
+    size there splits evenly over the `shards` ranks, else the first dimension that does, else the largest. Why:
+    with as many expert-parallel ranks as experts (Mixtral's 8 on ep 8), each rank holds one expert, and dim 0
+    (size 1) over the remaining data-parallel ranks would leave the whole expert on one of them and none on the
+    others (torchtitan shards experts on dim 1 in that case)."""
+    def choose(param: nn.Parameter) -> Optional[Shard]:
+        shape = tuple((param.to_local() if isinstance(param, DTensor) else param).shape)
+        if not shape or shape[0] % shards == 0:
+            return None  # FSDP's default, Shard(0)
+        even = [d for d, n in enumerate(shape) if n % shards == 0]
+        return Shard(even[0] if even else max(range(len(shape)), key=lambda d: shape[d]))
+    return choose
+
+
 def apply_fsdp_to_dim_modules(modules: list[nn.Module], dims: ParallelDims, reshard_after_forward: bool = True,
                               mp_policy: Optional[MixedPrecisionPolicy] = None) -> None:
     """FSDP for the modules a family's own dimension sharded (model.MeshDim), before the blocks that hold them:
@@ -66,8 +82,10 @@ def apply_fsdp_to_dim_modules(modules: list[nn.Module], dims: ParallelDims, resh
         return
     mesh = _data_mesh(dims, "dp_shard_rest")
     mp = mp_policy or MixedPrecisionPolicy()
+    placement = even_shard_placement(mesh.size(-1))
     for module in modules:
-        fully_shard(module, mesh=mesh, reshard_after_forward=reshard_after_forward, mp_policy=mp)
+        fully_shard(module, mesh=mesh, reshard_after_forward=reshard_after_forward, mp_policy=mp,
+                    shard_placement_fn=placement)
         module.set_gradient_divide_factor(float(dims.dp))
         if mesh.size() > 1:
             # plain sums, then one division: gloo has no PREMUL_SUM. (On one rank FSDP divides by the factor

@@ -334,6 +334,8 @@ class Trainer:
         metrics.update({f"time/{k}": v for k, v in self.timers.pop().items()})
         if self.comm is not None:
             metrics.update(self.comm.pop())
+        if self.context is not None:
+            metrics.update(self.context.step_metrics())
         metrics.update(self.family.step_metrics(self.model, self.dims.group("dp_cp") if self.dims.dp_cp > 1 else None))
         return metrics
 

@@ -107,3 +107,13 @@ def test_checkpoint_at_expert_parallel_2_resumes_at_1_and_4(tmp_path):
         resumed = _run(tmp_path, name, nproc, [*DROPLESS, *extra, *load])
         assert [r["step"] for r in resumed] == [4, 5, 6], name
         _close(ref[3:], [r["loss"] for r in resumed], name)
+
+
+def test_one_expert_per_rank_sharded_over_the_remaining_data_ranks(tmp_path):
+    """2 experts on expert parallel 2 of 4 ranks: each rank's one expert is FSDP-sharded on its FFN dimension over
+    the 2 remaining data-parallel ranks (dim 0 has one row: parallel/fsdp.even_shard_placement) and trains as one
+    process."""
+    two = [*DROPLESS, "model.num_experts=2"]
+    ref = _run(tmp_path, "one_e2", 1, [*two, "data.micro_num=4"])
+    sharded = _run(tmp_path, "ep2_of_4", 4, [*two, "parallel.expert=2", "data.micro_num=1"])
+    _close([r["loss"] for r in ref], [r["loss"] for r in sharded], "2 experts, ep 2 of 4 ranks")
