@@ -114,10 +114,6 @@ def check_context(cfg: Any, world_size: Optional[int]) -> None:
         raise ConfigError(f"parallel.context.size > 1 with model_type {cfg.model_type}: not implemented for a family "
                           f"with parallel dimensions of its own ({', '.join(own)}; MoE routing capacity and the "
                           f"auxiliary losses are per rank's tokens)")
-    if p.pipeline > 1:
-        raise ConfigError("parallel.context.size > 1 with parallel.pipeline > 1: not implemented (the pipeline "
-                          "stages would have to pass each rank's sequence chunk on); use data, tensor and context "
-                          "parallel")
     if world_size is not None and world_size % (p.tensor * p.pipeline * c.size):
         raise ConfigError(f"world size {world_size} is not divisible by parallel.tensor * parallel.pipeline * "
                           f"parallel.context.size ({p.tensor} * {p.pipeline} * {c.size})")

@@ -110,7 +110,7 @@ def parallelize_model(model: nn.Module, spec: ModelSpec, options: ParallelOption
         logger.info(f"activation checkpointing on {n} of {len(blocks)} blocks")
     if dims.cp > 1:
         from .context import apply_context_parallel
-        apply_context_parallel(model, dims, options.context_mode, options.context_inner)
+        apply_context_parallel(model, dims, options.context_mode, options.context_inner, tuple(chunks))
     if dims.dp_cp > 1:
         mp = mixed_precision_policy(precision.compute_dtype, precision.reduce_dtype) if precision else None
         apply_fsdp_to_dim_modules(dim_modules, dims, reshard_after_forward=dims.pp == 1, mp_policy=mp)
@@ -154,7 +154,7 @@ def _simulated_stage_io(spec: ModelSpec, options: ParallelOptions, dims: Paralle
     compute = precision.compute_dtype if precision is not None else torch.float32
     # FSDP's mixed precision hands 16-bit activations on; plain autocast keeps the fp32 residual stream
     hidden = compute if dims.dp_cp > 1 else torch.float32
-    shapes = StageShapes(rows=options.micro_bsz, seq_len=options.seq_len, tp=dims.tp,
+    shapes = StageShapes(rows=options.micro_bsz, seq_len=options.seq_len // dims.cp, tp=dims.tp,  # CP: a chunk
                          sequence_parallel=options.sequence_parallel, parallel_output=options.parallel_output,
                          hidden_dtype=hidden, logits_dtype=compute)
     args = spec.build_args(options.inputs, "sdpa")

@@ -25,13 +25,18 @@ logger = get_logger(__name__)
 ROW_KEYS = ("input_ids", "labels", "position_ids", "type_ids")
 
 
-def apply_context_parallel(model: nn.Module, dims: ParallelDims, mode: str, inner: int) -> None:
+def apply_context_parallel(model: nn.Module, dims: ParallelDims, mode: str, inner: int,
+                           chunks: tuple[nn.Module, ...] = ()) -> None:
     """Give `model`'s attention this rank's context group (after tensor parallel, before checkpointing, compile
-    and FSDP): from then on it expects the local zigzag chunk of each row, with per-token document ids."""
+    and FSDP): from then on it expects the local zigzag chunk of each row, with per-token document ids. `chunks`:
+    the pipeline stages this rank runs (views sharing `model`'s layers, each a transformer of its own)."""
     from ..model.context import ContextGroup, set_context_parallel  # imported when used: CP runs only
 
     group = ContextGroup(dims.group("cp"), dims.cp, dims.cp_rank, mode, inner=inner)
     set_context_parallel(model, group)
+    for chunk in chunks:
+        if chunk is not model and "context" in vars(chunk):
+            chunk.context = group  # the layers are the model's: their attention already has the group
     logger.info(f"context parallel {dims.cp} ({mode}{f', inner {inner}' if mode == '2d' else ''}): "
                 f"rank {dims.cp_rank} keeps zigzag chunks {dims.cp_rank} and {2 * dims.cp - 1 - dims.cp_rank} "
                 f"of {2 * dims.cp} of every sequence")

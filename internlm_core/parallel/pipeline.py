@@ -22,7 +22,7 @@ from torch.distributed.pipelining._backward import stage_backward
 from torch.distributed.tensor import DTensor, Shard
 
 from ..errors import ConfigError
-from ..model import ParallelPlan
+from ..model import ParallelPlan, document_ids_from_cu_seqlens
 from ..utils import collectives
 
 
@@ -35,6 +35,19 @@ def split_model(model: nn.Module, plan: ParallelPlan, pp_rank: int, pp_size: int
     stage_ids = [pp_rank + c * pp_size for c in range(num_chunks)]
     model, chunks = plan.split_stages(model, stage_ids, pp_size * num_chunks)
     return model, chunks, stage_ids
+
+
+def stack_micro_batches(mbs: list[dict]) -> dict:
+    """The schedule's inputs: the micro-batches concatenated along rows (it splits them again), with per-token
+    document ids instead of one cu_seqlens per micro-batch (under context parallel the chunk's own ids, which its
+    cut made), and `loss_shares`: each micro-batch's context-parallel loss share in order (None without CP)."""
+    out = {k: torch.cat([mb[k] for mb in mbs]) for k in ("input_ids", "labels", "position_ids", "type_ids")}
+    # kept on the host, where the model reads the attention layout without waiting for the device
+    out["document_ids"] = torch.cat([mb["document_ids"] if "document_ids" in mb else
+                                     document_ids_from_cu_seqlens(mb["cu_seqlens"], *mb["input_ids"].shape)
+                                     for mb in mbs])
+    out["loss_shares"] = [mb["loss_share"] for mb in mbs] if "loss_share" in mbs[0] else None
+    return out
 
 
 # The schedule runs a forward and backward of the first micro-batch to learn the shapes the stages

@@ -221,35 +221,28 @@ class Trainer:
         if every and hasattr(self.model, "set_requires_all_reduce"):
             self.model.set_requires_all_reduce(last)
 
-    def _pipeline_inputs(self, batch: dict, n: int) -> dict:
-        """The micro-batches concatenated along rows (the schedule splits them again), with per-token
-        document ids instead of one cu_seqlens per micro-batch."""
-        mbs = list(self._micro_batches(batch, n))
-        out = {k: torch.cat([mb[k] for mb in mbs]) for k in ("input_ids", "labels", "position_ids", "type_ids")}
-        # kept on the host, where the model reads the attention layout without waiting for the device
-        out["document_ids"] = torch.cat([document_ids_from_cu_seqlens(mb["cu_seqlens"], *mb["input_ids"].shape)
-                                         for mb in mbs])
-        return out
-
     def _pipeline_forward_backward(self, batch: dict, n: int, scale: float) -> torch.Tensor:
         """One step through torch.distributed.pipelining: the last stage computes each micro-batch's loss
         and feeds the metrics; gradients are divided by n there, as `loss / n` does above."""
         losses: list[torch.Tensor] = []
         hook, fire = self.metric_hook, self.callbacks.fire
+        from ..parallel.pipeline import stack_micro_batches  # torch.distributed.pipelining: pipeline runs only
+        x = stack_micro_batches(list(self._micro_batches(batch, n)))
+        shares = x["loss_shares"]  # context parallel: each chunk's part of its micro-batch's mean, as above
 
         def criterion(logits: torch.Tensor, labels: torch.Tensor, type_ids: torch.Tensor, record: bool) -> torch.Tensor:
+            share = 1.0 if shares is None else shares[min(len(losses), n - 1)]  # the calls follow micro-batch order
             if not record:
-                return self.loss_fn(logits, labels)[0] * scale
+                return self.loss_fn(logits, labels)[0] * (scale * share * self.dims.cp)
             fire("on_before_criterion", self)
             with hook.phase("cal_loss"):
                 loss, side = self.loss_fn(logits, labels)
             fire("on_after_criterion", self)
             hook.record(logits.detach(), labels, type_ids, side.token_losses, side.predictions)
             fire("on_micro_batch_end", self, logits.detach(), labels, type_ids, side.token_losses, side.predictions)
-            losses.append(loss.detach())
-            return loss * scale
+            losses.append(loss.detach() * share)
+            return loss * (scale * share * self.dims.cp)
 
-        x = self._pipeline_inputs(batch, n)
         # the schedule divides every gradient by n after the backwards (scale_grads): the family's losses too
         self.family.before_backward(self.model, scale)
         with self.autocast(), hook.phase("fwd_bwd"):
@@ -398,8 +391,8 @@ class Trainer:
                 yield self._forward(mb), mb
             return
         mbs = list(self._micro_batches(batch, n))
-        for mb in mbs:
-            mb["document_ids"] = document_ids_from_cu_seqlens(mb["cu_seqlens"], *mb["input_ids"].shape)  # host
+        for mb in (mb for mb in mbs if "document_ids" not in mb):  # on the host (context parallel's cut made its own)
+            mb["document_ids"] = document_ids_from_cu_seqlens(mb["cu_seqlens"], *mb["input_ids"].shape)
         yield from self.pipeline.forward_only(mbs)
 
     @torch.no_grad()

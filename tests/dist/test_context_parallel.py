@@ -1,7 +1,7 @@
 """Context parallel trains like one process (issue 26): CP 2 (ring and all_to_all) and CP 4 (2d) give the losses,
 gradient norms, ACC (per dataset type too) / PPL and validation numbers of CP 1 on the same batches (fp32, 10
 steps, within 1e-5), on rows of many short documents and rows of one long document, with GQA, with FSDP (over the
-context ranks, and over data x context parallel) and with tensor parallel; a CP 2 checkpoint resumes at CP 1 and
+context ranks, and over data x context parallel), with tensor parallel and with pipeline parallel; a CP 2 checkpoint resumes at CP 1 and
 CP 4 as the uninterrupted run goes on (gloo on CPU).
 
 The global batch is 4 micro-batches of one 64-token row: context ranks read the same rows (data parallel 1), data
@@ -45,6 +45,7 @@ JOBS = {
     "cp4_2d": (4, [f"parallel.context={TWO_D}"]),
     "dp2_cp2_fsdp": (4, [f"parallel.context={A2A}", "parallel.zero1=-1", "data.micro_num=2"]),
     "tp2_cp2": (4, ["parallel.context=2", "parallel.tensor=2"]),
+    "pp2_cp2": (4, [f"parallel.context={A2A}", "parallel.pipeline=2"]),  # the stages pass each rank's chunk on
     "cp2_to_cp4": (4, ["parallel.context=4"]),
     "cp2_to_cp1": (1, []),
 }

@@ -62,8 +62,6 @@ def test_internevo_sequence_2d_is_mode_2d_with_inner_head_size():
     (["parallel.context='two'"], r"parallel.context: expected an int \(the size\) or dict"),
     (["parallel.context=8"], r"world size 4 is not divisible by parallel.tensor \* parallel.pipeline \* "
                              r"parallel.context.size \(1 \* 1 \* 8\)"),
-    (["parallel.context=2", "parallel.pipeline=2"], r"parallel.context.size > 1 with parallel.pipeline > 1: not "
-                                                    r"implemented"),
     (["parallel.context=2", "model_type=INTERNLM_MoE", "model.num_experts=4"],
      r"parallel.context.size > 1 with model_type INTERNLM_MoE: not implemented for a family with parallel "
      r"dimensions of its own \(expert"),
