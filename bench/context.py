@@ -15,14 +15,15 @@ backward of every layer, written from the shapes); the measured are the step's c
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
-import subprocess
 import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))
+
+from train_runs import train_records  # noqa: E402
 
 LAYERS, HIDDEN, HEADS, KV_HEADS = 4, 256, 4, 2
 CASES = {"cp1": (1, []), "cp2-ring": (2, ["parallel.context={'size': 2, 'mode': 'ring'}"]),
@@ -30,20 +31,11 @@ CASES = {"cp1": (1, []), "cp2-ring": (2, ["parallel.context={'size': 2, 'mode': 
 
 
 def run(name: str, nproc: int, sets: list[str], seq: int, steps: int, out: Path) -> list[dict]:
-    run_dir = out / name
-    cmd = [sys.executable, "train.py"] if nproc == 1 else [sys.executable, "-m", "torch.distributed.run",
-                                                           "--standalone", f"--nproc_per_node={nproc}", "train.py"]
     shape = ["model.dtype=torch.float32", f"model.num_layers={LAYERS}", f"model.hidden_size={HIDDEN}",
              f"model.num_attention_heads={HEADS}", f"model.num_kv_attention_heads={KV_HEADS}",
              "model_type=INTERNLM2", "model.vocab_size=512", f"data.seq_len={seq}", "data.micro_bsz=1",
              "data.micro_num=1", "data.valid_every=0", "monitor.tensorboard=False", "adam.lr=1e-3"]
-    cmd += ["--config", "configs/tiny.py", "--run-dir", str(run_dir), "--set", *shape, *sets,
-            f"data.total_steps={steps}", f"lr_scheduler.total_steps={steps}", f"monitor.log_every={steps}"]
-    p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
-    if p.returncode != 0:
-        raise SystemExit(f"{name} failed:\n{p.stderr[-3000:]}")
-    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
-    return [r for r in map(json.loads, lines) if r.get("kind") == "train"]
+    return train_records(out / name, nproc, "configs/tiny.py", [*shape, *sets], steps)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -18,13 +18,14 @@ Throughput is the median `tgs` (tokens per second per rank) of the steps after t
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
-import subprocess
 import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "bench"))
+
+from train_runs import train_records  # noqa: E402
 SHAPE = ["model.dtype=torch.float32", "model.num_layers=4", "model.hidden_size=256", "model.num_attention_heads=4",
          "model.vocab_size=512", "data.seq_len=256", "data.micro_bsz=2", "data.micro_num=2", "data.valid_every=0",
          "data.fixed_random_dataset_seqlen=False", "monitor.tensorboard=False", "adam.lr=1e-3"]
@@ -39,16 +40,7 @@ CASES = {
 
 
 def run(name: str, nproc: int, sets: list[str], steps: int, out: Path) -> list[dict]:
-    run_dir = out / name
-    cmd = [sys.executable, "train.py"] if nproc == 1 else [sys.executable, "-m", "torch.distributed.run",
-                                                           "--standalone", f"--nproc_per_node={nproc}", "train.py"]
-    cmd += ["--config", "configs/tiny.py", "--run-dir", str(run_dir), "--set", *SHAPE, *sets,
-            f"data.total_steps={steps}", f"lr_scheduler.total_steps={steps}", f"monitor.log_every={steps}"]
-    p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
-    if p.returncode != 0:
-        raise SystemExit(f"{name} failed:\n{p.stderr[-3000:]}")
-    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
-    return [r for r in map(json.loads, lines) if r.get("kind") == "train"]
+    return train_records(out / name, nproc, "configs/tiny.py", [*SHAPE, *sets], steps)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -15,7 +15,7 @@ renormalized.
 from __future__ import annotations
 
 import re
-from typing import Any, Mapping, Optional
+from typing import Any, Callable, Mapping, Optional
 
 import torch
 
@@ -47,17 +47,20 @@ def mixtral_to_hf(sd: Mapping[str, torch.Tensor], ctx: AdapterContext) -> dict[s
     return {**llama_to_hf(dense, ctx), **out}
 
 
-def mixtral_from_hf(hf: Mapping[str, torch.Tensor], ctx: AdapterContext) -> dict[str, torch.Tensor]:
-    """Mixtral's names (per-expert or fused) → ours; experts stacked in expert order."""
+def moe_from_hf(hf: Mapping[str, torch.Tensor], ctx: AdapterContext, expert: re.Pattern, gate: re.Pattern,
+                fused: re.Pattern, ours: Callable[[str], str] = lambda w: w) -> dict[str, torch.Tensor]:
+    """An MoE family's HF names → ours: per-expert tensors (`expert` matches layer, expert, HF weight name; `ours`
+    gives our w1/w2/w3 of that name) stacked in expert order, or the fused gate_up_proj / down_proj of newer
+    transformers; the router by `gate`; the rest by the Llama block's mapping."""
     dense: dict[str, torch.Tensor] = {}
     experts: dict[tuple[str, str], dict[int, torch.Tensor]] = {}
     out: dict[str, torch.Tensor] = {}
     for k, v in hf.items():
-        if (m := _HF_EXPERT.match(k)) is not None:
+        if (m := expert.match(k)) is not None:
             experts.setdefault((m.group(1), m.group(3)), {})[int(m.group(2))] = v
-        elif (m := _HF_GATE.match(k)) is not None:
+        elif (m := gate.match(k)) is not None:
             out[f"layers.{m.group(1)}.feed_forward.gate.weight"] = v
-        elif (m := _HF_FUSED.match(k)) is not None:
+        elif (m := fused.match(k)) is not None:
             base = f"layers.{m.group(1)}.feed_forward.experts"
             if m.group(2) == "down_proj":
                 out[f"{base}.w2"] = v
@@ -68,8 +71,13 @@ def mixtral_from_hf(hf: Mapping[str, torch.Tensor], ctx: AdapterContext) -> dict
     for (layer, w), by_index in experts.items():
         if sorted(by_index) != list(range(len(by_index))):
             raise CheckpointError(f"layer {layer}: experts {sorted(by_index)} of {w} are not 0..N-1")
-        out[f"layers.{layer}.feed_forward.experts.{w}"] = torch.stack([by_index[j] for j in range(len(by_index))])
+        out[f"layers.{layer}.feed_forward.experts.{ours(w)}"] = torch.stack([by_index[j] for j in range(len(by_index))])
     return {**llama_from_hf(dense, ctx), **out}
+
+
+def mixtral_from_hf(hf: Mapping[str, torch.Tensor], ctx: AdapterContext) -> dict[str, torch.Tensor]:
+    """Mixtral's names (per-expert or fused) → ours; experts stacked in expert order."""
+    return moe_from_hf(hf, ctx, _HF_EXPERT, _HF_GATE, _HF_FUSED)
 
 
 def mixtral_config(cfg: Any, torch_dtype: str = "float32",

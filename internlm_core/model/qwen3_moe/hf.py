@@ -22,7 +22,8 @@ import torch
 
 from ...errors import CheckpointError
 from ..args import ffn_width
-from ..internlm.hf import _common_config, head_dim, llama_from_hf, llama_to_hf, refuse_options
+from ..internlm.hf import _common_config, head_dim, llama_to_hf, refuse_options
+from ..internlm_moe.hf import moe_from_hf
 from ..qwen2.hf import window_config
 from ..qwen3.hf import config_from_qwen3
 from ..spec import AdapterContext, StateDictAdapter
@@ -54,27 +55,7 @@ def qwen3_moe_to_hf(sd: Mapping[str, torch.Tensor], ctx: AdapterContext) -> dict
 
 def qwen3_moe_from_hf(hf: Mapping[str, torch.Tensor], ctx: AdapterContext) -> dict[str, torch.Tensor]:
     """Qwen3-MoE's names (per-expert or fused) → ours; experts stacked in expert order."""
-    dense: dict[str, torch.Tensor] = {}
-    experts: dict[tuple[str, str], dict[int, torch.Tensor]] = {}
-    out: dict[str, torch.Tensor] = {}
-    for k, v in hf.items():
-        if (m := _HF_EXPERT.match(k)) is not None:
-            experts.setdefault((m.group(1), _OURS_W[m.group(3)]), {})[int(m.group(2))] = v
-        elif (m := _HF_GATE.match(k)) is not None:
-            out[f"layers.{m.group(1)}.feed_forward.gate.weight"] = v
-        elif (m := _HF_FUSED.match(k)) is not None:
-            base = f"layers.{m.group(1)}.feed_forward.experts"
-            if m.group(2) == "down_proj":
-                out[f"{base}.w2"] = v
-            else:
-                out[f"{base}.w1"], out[f"{base}.w3"] = v.chunk(2, dim=1)
-        else:
-            dense[k] = v
-    for (layer, w), by_index in experts.items():
-        if sorted(by_index) != list(range(len(by_index))):
-            raise CheckpointError(f"layer {layer}: experts {sorted(by_index)} of {_W[w]} are not 0..N-1")
-        out[f"layers.{layer}.feed_forward.experts.{w}"] = torch.stack([by_index[j] for j in range(len(by_index))])
-    return {**llama_from_hf(dense, ctx), **out}
+    return moe_from_hf(hf, ctx, _HF_EXPERT, _HF_GATE, _HF_FUSED, ours=lambda w: _OURS_W[w])
 
 
 def qwen3_moe_config(cfg: Any, torch_dtype: str = "float32",
