@@ -23,7 +23,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
-from train_runs import train_records  # noqa: E402
+from train_runs import train_records, write_table  # noqa: E402
 
 LAYERS, HIDDEN, HEADS, KV_HEADS = 4, 256, 4, 2
 CASES = {"cp1": (1, []), "cp2-ring": (2, ["parallel.context={'size': 2, 'mode': 'ring'}"]),
@@ -62,10 +62,7 @@ def main(argv: list[str] | None = None) -> int:
         rows.append(f"| {name} | {nproc} | {job[name]:,.0f} | {job[name] / job['cp1']:.2f} | " + " | ".join(cells)
                     + " |")
         print(rows[-1], flush=True)
-    table = "\n".join(rows)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "table.md").write_text(table + "\n")
-    print(table)
+    write_table(out, rows)
     return 0
 
 

@@ -25,7 +25,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "bench"))
 
-from train_runs import train_records  # noqa: E402
+from train_runs import train_records, write_table  # noqa: E402
 SHAPE = ["model.dtype=torch.float32", "model.num_layers=4", "model.hidden_size=256", "model.num_attention_heads=4",
          "model.vocab_size=512", "data.seq_len=256", "data.micro_bsz=2", "data.micro_num=2", "data.valid_every=0",
          "data.fixed_random_dataset_seqlen=False", "monitor.tensorboard=False", "adam.lr=1e-3"]
@@ -64,10 +64,7 @@ def main(argv: list[str] | None = None) -> int:
                         f", min {min(sent):,} max {max(sent):,}; balanced-routing theory {theory:,.0f} "
                         f"(median / theory {statistics.median(sent) / theory:.3f})")
             print(rows[-1], flush=True)
-    table = "\n".join(rows)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "table.md").write_text(table + "\n")
-    print(table)
+    write_table(out, rows)
     return 0
 
 

@@ -22,3 +22,11 @@ def train_records(run_dir: Path, nproc: int, config: str, sets: list[str], steps
         raise SystemExit(f"{run_dir.name} failed:\n{p.stderr[-3000:]}")
     lines = (run_dir / "metrics.jsonl").read_text().splitlines()
     return [r for r in map(json.loads, lines) if r.get("kind") == "train"]
+
+
+def write_table(out: Path, rows: list[str]) -> None:
+    """Print the markdown table `rows` and keep it as out/table.md."""
+    table = "\n".join(rows)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "table.md").write_text(table + "\n")
+    print(table)
