@@ -204,6 +204,23 @@ def test_internevo_internlm2_folder_round_trip_and_interleaved_qk(tmp_path):
     assert all(torch.equal(again.state_dict()[k], v) for k, v in model.state_dict().items())
 
 
+def test_internlm_v1_folder_in_internevos_later_ffn_names(tmp_path):
+    """InternEvo's later FeedForward names up w3 and down w2 (InternLM v1: w2 up, w3 down): such a folder, split over
+    2 tensor ranks, loads by the shapes to the same weights."""
+    cfg = tiny()
+    model = random_model(cfg)
+    write_internlm_folder(tmp_path, cfg, model.state_dict(), tp=2, pp=1, dtype="float32")
+    for t in range(2):
+        path = tmp_path / f"model_tp{t}_pp0.pt"
+        sd = torch.load(path)
+        renamed = {re.sub(r"mlp\.w([23])\.", lambda m: f"mlp.w{5 - int(m.group(1))}.", k): v for k, v in sd.items()}
+        assert renamed["model.blocks.0.mlp.w2.weight"].shape == (64, 96)  # down [H, F / tp] under the later name
+        torch.save(renamed, path)
+    back = build_model(cfg)
+    load_internlm(back, tmp_path, "INTERNLM")
+    assert all(torch.equal(back.state_dict()[k], v) for k, v in model.state_dict().items())
+
+
 def test_crafted_pt_is_refused_without_running_code(tmp_path):
     marker = tmp_path / "pwned"
 

@@ -6,7 +6,8 @@ prefix removed), which is how InternLM's tools/transformers/convert2hf.py sees a
     embedding.weight                       hidden split (embed_split_hidden=True: cat dim 1), else vocabulary (dim 0)
     blocks.{i}.mixer.Wqkv.{weight,bias}    each shard is (3, heads/tp, head_dim[, hidden]): q, k, v by heads
     blocks.{i}.mixer.out_proj.weight       row parallel: cat dim 1; its bias is replicated (rank 0's)
-    blocks.{i}.mlp.w1 (gate), w2 (up)      column parallel: cat dim 0;   w3 (down): cat dim 1
+    blocks.{i}.mlp.w1 (gate), w2 (up)      column parallel: cat dim 0;   w3 (down): cat dim 1 (InternEvo's later
+                                           releases swap the names of up and down: told apart by shape on read)
     blocks.{i}.norm1 / norm2, norm.weight  replicated;   head.weight: cat dim 0
     blocks.{i}.mixer.rotary_emb.inv_freq   a buffer: skipped on read, written for InternLM's module
 
@@ -36,6 +37,20 @@ _SIMPLE = {  # ours (in a layer) -> (InternLM's, dim along which tensor-parallel
     "attention_norm.weight": ("norm1.weight", None),
     "ffn_norm.weight": ("norm2.weight", None),
 }
+
+
+# InternEvo's later FeedForward (internlm/model/modules/mlp.py) names up w3 and down w2, as Llama does
+_LATER_FFN = {"feed_forward.w2.weight": "mlp.w3.weight", "feed_forward.w3.weight": "mlp.w2.weight"}
+
+
+def later_ffn_names(w2: torch.Tensor | None, w3: torch.Tensor | None, hidden: int) -> bool:
+    """True when a FeedForward's w2 / w3 (one tensor rank's shards) are named as InternEvo's later releases name
+    them (w3 up [F, H], w2 down [H, F]) rather than as InternLM v1 and InternEvo's early MoE (w2 up, w3 down). The
+    shapes decide; when the FFN width per tensor rank equals the hidden size they cannot, and InternLM's names are
+    assumed."""
+    if w2 is None or w3 is None or w2.dim() != 2:
+        return False
+    return w2.shape[0] == hidden and w3.shape[1] == hidden and w2.shape[1] != hidden
 
 
 def _split(t: torch.Tensor, tp: int, dim: int | None) -> list[torch.Tensor]:
@@ -134,7 +149,10 @@ def from_internlm(shards: Mapping[int, Mapping[str, torch.Tensor]], ctx: Adapter
                                           f"(model.qkv_bias=False)")
                 continue
             out.update({f"layers.{i}.attention.w{x}.{kind}": t for x, t in zip("qkv", (q, k, v))})
+        later = later_ffn_names(first.get(pre + "mlp.w2.weight"), first.get(pre + "mlp.w3.weight"), a.hidden_size)
         for ours, (theirs, dim) in _SIMPLE.items():
+            if later and ours in _LATER_FFN:
+                theirs = _LATER_FFN[ours]
             key = pre + theirs
             if key not in first:
                 continue

@@ -41,6 +41,7 @@ def _gate_up_down(parts: Mapping[str, list[torch.Tensor]], hidden: int, where: s
     naming saved it (module docstring): column shards concatenated along dim 0, row shards along dim 1."""
     if set(parts) != {"w1", "w2", "w3"}:
         raise CheckpointError(f"{where}: expected w1, w2 and w3, found {sorted(parts)}")
+    # unlike the dense reader, an undecidable shape means the later names here (InternEvo's MoE is its own)
     w2, w3 = parts["w2"][0], parts["w3"][0]
     v1_names = w2.shape[1] == hidden and w3.shape[0] == hidden and w2.shape[0] != hidden  # w2 up, w3 down
     up, down = ("w2", "w3") if v1_names else ("w3", "w2")
