@@ -31,6 +31,7 @@ from torch.distributed.tensor import DTensor
 from ..config.schema import FaultToleranceConfig
 from ..errors import ConfigError, TrainingError
 from ..utils import collectives
+from ..utils.accelerators import bind_thread_device
 from ..utils.logging import get_logger
 
 logger = get_logger(__name__)
@@ -119,7 +120,7 @@ class TorchFTReplicas:
     """`ReplicaGroups` over torchft's Manager with a synchronous quorum (a heal is applied before the step)."""
 
     def __init__(self, manager: Any, ft: FaultToleranceConfig, heal: HealState, lighthouse: str,
-                 store: Optional[dist.TCPStore] = None):
+                 store: Optional[dist.TCPStore] = None, device: torch.device = torch.device("cpu")):
         self.manager, self.heal = manager, heal
         self.replica_id, self.group_size, self.quorum_timeout = ft.replica_id, ft.group_size, ft.quorum_timeout
         self.lighthouse = lighthouse
@@ -127,7 +128,7 @@ class TorchFTReplicas:
         self.participants = 0
         self.error: Optional[str] = None  # why the last step was not committed
         self._quorum_s = self._reduce_s = self._commit_s = 0.0
-        self._sigterm = _LeaveOnSigterm(self.replica_id)
+        self._sigterm = _LeaveOnSigterm(self.replica_id, device)
 
     def begin_step(self) -> bool:
         healed = self.heal.healed
@@ -192,10 +193,12 @@ class _LeaveOnSigterm:
     rank that waited on would keep its group's heartbeat alive, and torchft forms no quorum without more than half
     of the heartbeating groups: with two groups the live one would wait for it. The previous handler (the stop
     controller's) still runs. The wait runs `fn` in a daemon thread: a call blocked in torchft's Rust client does
-    not come back to Python for a signal handler, the waiting main thread does."""
+    not come back to Python for a signal handler, the waiting main thread does. That thread first makes the rank's
+    `device` its current device (a new CUDA thread is on GPU 0): torchft's start_quorum hands the caller's current
+    device to the thread that connects the replica communicator, and should_commit synchronizes its stream."""
 
-    def __init__(self, replica_id: int):
-        self.replica_id, self.received = replica_id, False
+    def __init__(self, replica_id: int, device: torch.device = torch.device("cpu")):
+        self.replica_id, self.received, self.device = replica_id, False, device
         self.waiting_for: Optional[str] = None
         self._previous: Any = None
         if threading.current_thread() is threading.main_thread():
@@ -214,13 +217,15 @@ class _LeaveOnSigterm:
                              f"{self.waiting_for}; leaving at once")
 
     def wait(self, fn: Callable[[], Any], what: str) -> Any:
-        """fn(), waited for so that a SIGTERM ends it."""
+        """fn(), waited for so that a SIGTERM ends it; called with the rank's device current."""
         if threading.current_thread() is not threading.main_thread():
+            bind_thread_device(self.device)
             return fn()
         box: dict[str, Any] = {}
 
         def run() -> None:
             try:
+                bind_thread_device(self.device)
                 box["value"] = fn()
             except BaseException as e:  # noqa: BLE001 - handed to the waiting thread as it is
                 box["error"] = e
@@ -310,4 +315,4 @@ def build_replica_groups(ft: FaultToleranceConfig, rank: int, world_size: int, d
     manager.load_state_dict({"step": step, "batches_committed": 0})
     logger.info(f"replica group {ft.replica_id} of {ft.group_size}: rank {rank} of {world_size} joins the quorum "
                 f"of lighthouse {lighthouse} at step {step} (min_replicas {ft.min_replicas})")
-    return TorchFTReplicas(manager, ft, heal, lighthouse, store)
+    return TorchFTReplicas(manager, ft, heal, lighthouse, store, device)

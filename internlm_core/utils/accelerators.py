@@ -5,6 +5,9 @@ torch fails with ImportError (an undefined symbol) at its first import; an apex 
 extensions raises in `FusedAdam.__init__`. A probe imports the entry points the code uses and, on a CUDA
 device, runs each once on a tiny input. Each probe runs at most once per process and device type (cached);
 `numerics.kernels.select_kernels` reads them, nothing else does.
+
+`bind_thread_device`: the current device is per thread on CUDA (a new thread starts on device 0), so a thread that
+calls into a library that captures "the current device" (torchft's quorum and commit) sets its rank's device first.
 """
 
 from __future__ import annotations
@@ -102,6 +105,20 @@ def probe_apex(device_type: str) -> Probe:
 def onednn_linear_available() -> bool:
     """oneDNN's fp32 GEMM op (`mkldnn._linear_pointwise`) is present in this torch build."""
     return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+
+
+def bind_thread_device(device: torch.device) -> bool:
+    """Make `device` the calling thread's current device; False (nothing set) for the CPU and other devices without
+    a current-device notion. CUDA keeps the current device per host thread and a new thread starts on device 0:
+    without this, torchft's start_quorum (which passes `torch.accelerator.current_device_index()` to its quorum
+    thread, where the replica communicator connects) and should_commit (which synchronizes the current stream)
+    would use GPU 0 on every rank."""
+    if device.type in ("cpu", "meta"):
+        return False
+    if device.index is None:
+        raise ValueError(f"bind_thread_device: expected a device with an index (cuda:N), got {device}")
+    torch.accelerator.set_device_index(device.index)  # torch >= 2.6: CUDA, XPU, ... alike
+    return True
 
 
 def clear_probe_cache() -> None:

@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import io
 import json
+import signal
 import subprocess
+import threading
 
 import pytest
 import torch
@@ -160,3 +162,37 @@ def test_the_sbatch_starts_one_group_per_node_that_a_lost_node_does_not_end(tmp_
         "--run-dir", f"{tmp_path}/run/group1", "--set", "a.b=1", "--set", "parallel.fault_tolerance.enable=True",
         "parallel.fault_tolerance.replica_id=1", "parallel.fault_tolerance.group_size=2",
         "parallel.fault_tolerance.min_replicas=1"]
+
+
+def test_torchft_is_called_from_a_thread_whose_current_device_is_the_ranks(monkeypatch):
+    """CUDA's current device is per thread and a new thread is on GPU 0; torchft's start_quorum hands the caller's
+    current device to the thread that connects the replica communicator, should_commit synchronizes its stream.
+    The thread that calls them (a daemon, so that SIGTERM can end the wait) sets the rank's device first."""
+    from internlm_core.parallel import fault_tolerance
+    from internlm_core.utils.accelerators import bind_thread_device
+
+    events = []
+    monkeypatch.setattr(torch.accelerator, "set_device_index",
+                        lambda index: events.append(("set", index, threading.get_ident())))
+
+    def start_quorum():
+        events.append(("torchft", None, threading.get_ident()))
+        return "quorum"
+
+    waiter = fault_tolerance._LeaveOnSigterm(0, torch.device("cuda", 3))
+    try:
+        assert waiter.wait(start_quorum, "its quorum") == "quorum"
+    finally:
+        signal.signal(signal.SIGTERM, waiter._previous)
+    assert [e[:2] for e in events] == [("set", 3), ("torchft", None)]
+    assert events[0][2] == events[1][2] != threading.get_ident()  # in the calling thread, not the main one
+
+    events.clear()
+    waiter = fault_tolerance._LeaveOnSigterm(0, torch.device("cpu"))
+    try:
+        waiter.wait(start_quorum, "its quorum")
+    finally:
+        signal.signal(signal.SIGTERM, waiter._previous)
+    assert [e[:2] for e in events] == [("torchft", None)]  # gloo on the CPU: no current device to set
+    with pytest.raises(ValueError, match=r"expected a device with an index \(cuda:N\), got cuda"):
+        bind_thread_device(torch.device("cuda"))
