@@ -155,6 +155,27 @@ def cuda_device_index(local_rank: int, visible: int) -> int:
                       f"many GPUs as tasks, or one GPU per task")
 
 
+def tasks_on_node(env: Optional[dict] = None) -> int:
+    """This job's processes on this node: torchrun's LOCAL_WORLD_SIZE, else SLURM's tasks per node (the first
+    entry of SLURM_TASKS_PER_NODE, e.g. '8(x2)'), else 1."""
+    env = os.environ if env is None else env
+    text = env.get("LOCAL_WORLD_SIZE") or env.get("SLURM_NTASKS_PER_NODE") or env.get("SLURM_TASKS_PER_NODE") or "1"
+    match = re.match(r"\d+", text)
+    return int(match.group()) if match else 1
+
+
+def isolated_gpu_warning(tasks: int, visible: int) -> Optional[str]:
+    """The warning for a process that sees one GPU while `tasks` > 1 processes of the job share its node (SLURM
+    --gpus-per-task=1, --gpu-bind, a per-task CUDA_VISIBLE_DEVICES): where tasks are confined to their devices
+    (cgroups) NCCL cannot open the other GPUs and loses P2P/NVLink inside the node. None otherwise."""
+    if visible != 1 or tasks <= 1:
+        return None
+    return (f"this process sees 1 GPU while {tasks} processes of the job run on its node: where tasks are confined "
+            f"to their own GPU (SLURM --gpus-per-task=1 or --gpu-bind with device cgroups), NCCL cannot use P2P/NVLink "
+            f"between them and goes through host memory; give every task all of the node's GPUs (--gpus-per-node, "
+            f"tools/slurm/train.sbatch)")
+
+
 def local_device(device_type: str, local_rank: int, visible: int) -> torch.device:
     """The device this process trains on: the CPU, or its GPU among the `visible` ones (`cuda_device_index`)."""
     if device_type != "cuda":
@@ -281,6 +302,9 @@ def init_distributed(launcher: Optional[str] = None, timeout_s: float = 600.0,
     device = local_device(device_type, local, torch.cuda.device_count() if device_type == "cuda" else 0)
     if device.type == "cuda":
         torch.cuda.set_device(device)
+        warning = isolated_gpu_warning(tasks_on_node(), torch.cuda.device_count())
+        if warning and local == 0:
+            logger.warning(warning)
     if world == 1 or launcher == "none":
         return LaunchInfo("none" if world == 1 else launcher, 0, 1, 0, device, None, restarts, max_restarts)
     backend = "nccl" if device.type == "cuda" else "gloo"

@@ -18,8 +18,12 @@ the time spent *outside* waits. Every `interval` steps the monitor gathers, per 
 
 All are gathered in one `all_gather_object` (gloo or NCCL; a single process reports itself), and a rank
 whose time exceeds `outlier_ratio` × the mean of that measure is reported with its host, as a warning on
-rank 0. Every rank runs the check at the same steps (keyed on the step number). On a CUDA device the
-allocator cache is emptied afterwards, as InternLM does.
+rank 0. Every rank runs the check at the same steps (keyed on the step number). On a CUDA device InternLM empties
+the allocator cache after every check; here only where fragmentation is shown (`cache_is_fragmented`: the cache
+holds more than FRAGMENTED_BYTES and FRAGMENTED_FRACTION of itself beyond the live tensors), since emptying a cache
+the next step fills again costs a free and a new allocation of every cached segment (device synchronizations) on
+every rank. With PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True (the SLURM templates set it) segments grow and
+shrink in place and the idle part stays small.
 """
 
 from __future__ import annotations
@@ -125,6 +129,23 @@ def device_benchmark(device: Optional[torch.device] = None, size: Optional[int] 
     return time.perf_counter() - t0
 
 
+# fragmentation shown: the CUDA allocator holds (torch.cuda.memory_reserved - memory_allocated) more than 2 GiB AND
+# more than a fifth of what it reserves, in blocks no live tensor uses. Below either, the cached blocks are what the
+# next step allocates again (the steady state of a training loop): emptying them would only be paid back in
+# cudaMalloc calls. 2 GiB: about one 7B layer's activations at 4K tokens, what a differently shaped micro-batch
+# (MoE's varying expert rows) can leave stranded; a fifth: large enough that the cache, not the model, holds it.
+FRAGMENTED_BYTES = 2 << 30
+FRAGMENTED_FRACTION = 0.2
+
+
+def cache_is_fragmented(reserved: int, allocated: int, min_bytes: int = FRAGMENTED_BYTES,
+                        min_fraction: float = FRAGMENTED_FRACTION) -> bool:
+    """True when the allocator's idle bytes (`reserved - allocated`) exceed both `min_bytes` and `min_fraction` of
+    `reserved`: the only case in which the straggler check empties the CUDA cache."""
+    idle = reserved - allocated
+    return idle > min_bytes and idle > min_fraction * reserved
+
+
 class StragglerMonitor(TrainerCallback):
     """Runs `diagnose_stragglers` every `interval` steps (see the module docstring).
 
@@ -133,7 +154,7 @@ class StragglerMonitor(TrainerCallback):
         outlier_ratio: report ranks above this ratio of the mean (`data.diag_outlier_ratio`).
         rank: this process's global rank (rank 0 logs the report).
         group: process group to compare over (None: all ranks).
-        device: the training device (benchmark there; empty the CUDA cache after a check).
+        device: the training device (benchmark there; empty a fragmented CUDA cache after a check).
         time_keys: per-rank timer keys of the metrics record, each compared across ranks.
         bench: run the local device benchmark at each check.
     """
@@ -182,8 +203,19 @@ class StragglerMonitor(TrainerCallback):
         if self.rank == 0:
             (logger.warning if report.stragglers else logger.info)("straggler check: %s", report.format())
         if self.device.type == "cuda":
-            torch.cuda.empty_cache()
+            self.empty_cache_if_fragmented(step)
         self._t_last = time.perf_counter()  # the check itself is not part of a step
+
+    def empty_cache_if_fragmented(self, step: int) -> bool:
+        """torch.cuda.empty_cache() when `cache_is_fragmented` (logged with the figures); True when it did."""
+        reserved, allocated = torch.cuda.memory_reserved(self.device), torch.cuda.memory_allocated(self.device)
+        if not cache_is_fragmented(reserved, allocated):
+            return False
+        torch.cuda.empty_cache()
+        logger.info("step %d: emptied the CUDA allocator cache (%.2f GiB reserved, %.2f GiB in tensors: over %.1f "
+                    "GiB and %.0f%% idle)", step, reserved / 2**30, allocated / 2**30, FRAGMENTED_BYTES / 2**30,
+                    FRAGMENTED_FRACTION * 100)
+        return True
 
 
 def build_straggler_monitor(data_cfg: Any, rank: int = 0, group: Optional[dist.ProcessGroup] = None,

@@ -10,14 +10,16 @@ import pytest
 
 import torch
 
-from internlm_core.distributed.launch import cuda_device_index, init_distributed, local_device
+from internlm_core.distributed.launch import (cuda_device_index, init_distributed, isolated_gpu_warning, local_device,
+                                              tasks_on_node)
 from internlm_core.errors import LaunchError
 from tests.helpers.launch import ROOT, env
 
 # records its arguments and the rendezvous the tasks would get, starts nothing
 FAKE_SRUN = """#!/usr/bin/env python3
 import json, os, sys
-json.dump({"args": sys.argv[1:], "MASTER_PORT": os.environ.get("MASTER_PORT")}, open(os.environ["FAKE_SRUN_LOG"], "w"))
+json.dump({"args": sys.argv[1:], "MASTER_PORT": os.environ.get("MASTER_PORT"),
+           "PYTORCH_CUDA_ALLOC_CONF": os.environ.get("PYTORCH_CUDA_ALLOC_CONF")}, open(os.environ["FAKE_SRUN_LOG"], "w"))
 """
 
 
@@ -33,7 +35,8 @@ def run_sbatch(tmp_path, script="train.sbatch", **slurm):
     for name, text in (("srun", FAKE_SRUN), ("scontrol", FAKE_SCONTROL)):
         (bin_dir / name).write_text(text)
         (bin_dir / name).chmod(0o755)
-    e = {k: v for k, v in env().items() if not k.startswith("SLURM_") and k not in ("MASTER_PORT", "RDZV_PORT")}
+    e = {k: v for k, v in env().items()
+         if not k.startswith("SLURM_") and k not in ("MASTER_PORT", "RDZV_PORT", "PYTORCH_CUDA_ALLOC_CONF")}
     e.update(PATH=f"{bin_dir}{os.pathsep}{e['PATH']}", SLURM_SUBMIT_DIR=str(ROOT), SLURM_JOB_NAME="t",
              SLURM_JOB_ID="1234567", SLURM_NNODES="2", SLURM_NTASKS="16", SLURM_JOB_NODELIST="gpu[01-02]",
              RUN_DIR=str(tmp_path / "run"), FAKE_SRUN_LOG=str(tmp_path / "srun.json"), **slurm)
@@ -126,3 +129,47 @@ def test_init_distributed_takes_the_gpu_a_task_sees(monkeypatch, visible, device
         monkeypatch.setenv(key, value)
     info = init_distributed(launcher="none", device_type="cuda")
     assert info.device == torch.device(device) and chosen == [torch.device(device)]
+
+
+@pytest.mark.parametrize("script", ["train.sbatch", "train_elastic.sbatch", "train_ft.sbatch"])
+def test_every_template_runs_the_tasks_with_expandable_allocator_segments(tmp_path, script):
+    """MoE's varying expert rows fragment a caching allocator of fixed blocks; the user's own setting is kept."""
+    extra = {"TORCHFT_LIGHTHOUSE": "http://gpu01:29510"} if script == "train_ft.sbatch" else {}
+    _, srun = run_sbatch(tmp_path, script, **extra)
+    assert srun["PYTORCH_CUDA_ALLOC_CONF"] == "expandable_segments:True"
+    _, srun = run_sbatch(tmp_path, script, PYTORCH_CUDA_ALLOC_CONF="max_split_size_mb:512", **extra)
+    assert srun["PYTORCH_CUDA_ALLOC_CONF"] == "max_split_size_mb:512"
+
+
+def test_the_template_keeps_every_gpu_of_the_node_visible_to_every_task():
+    text = (ROOT / "tools/slurm/train.sbatch").read_text()
+    sbatch = [line.split("#", 2)[1] for line in text.splitlines() if line.startswith("#SBATCH")]
+    assert any(line.startswith("SBATCH --gpus-per-node=") for line in sbatch)
+    assert not any("gpus-per-task" in line or "gpu-bind" in line for line in sbatch)
+    assert "fine too" not in text and "NCCL loses P2P/NVLink" in text
+
+
+@pytest.mark.parametrize("environ, tasks", [
+    ({}, 1), ({"LOCAL_WORLD_SIZE": "4"}, 4), ({"SLURM_NTASKS_PER_NODE": "8"}, 8),
+    ({"SLURM_TASKS_PER_NODE": "8(x2)"}, 8), ({"SLURM_TASKS_PER_NODE": "2,1"}, 2)])
+def test_the_tasks_on_a_node(environ, tasks):
+    assert tasks_on_node(environ) == tasks
+
+
+@pytest.mark.parametrize("tasks, visible, warns", [(8, 1, True), (8, 8, False), (1, 1, False), (2, 4, False)])
+def test_a_task_confined_to_one_gpu_of_a_shared_node_is_warned_about(tasks, visible, warns):
+    message = isolated_gpu_warning(tasks, visible)
+    assert (message is not None) is warns
+    if warns:
+        assert message.startswith(f"this process sees 1 GPU while {tasks} processes of the job run on its node")
+        assert "NCCL cannot use P2P/NVLink" in message and "--gpus-per-node" in message
+
+
+def test_init_distributed_warns_about_one_visible_gpu_among_eight_tasks(monkeypatch, caplog):
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(torch.cuda, "set_device", lambda device: None)
+    for key, value in {"RANK": "0", "WORLD_SIZE": "8", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "8"}.items():
+        monkeypatch.setenv(key, value)
+    with caplog.at_level("WARNING"):
+        init_distributed(launcher="none", device_type="cuda")
+    assert "this process sees 1 GPU while 8 processes of the job run on its node" in caplog.text
