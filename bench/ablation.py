@@ -36,8 +36,10 @@ def patch(variant: str) -> list[str]:
     """Switch fast paths off in this process (before the trainer is built); returns config overrides."""
     off = {"-onednn", "-blocked", "-fused_ce", "-malloc"} if variant == "-all" else {variant}
     if "-onednn" in off:
-        import internlm_core.model.layers as T
-        T._ONEDNN_LINEAR = False
+        import dataclasses
+
+        from internlm_core.utils import cpu_features
+        cpu_features.pin(dataclasses.replace(cpu_features.detect(), onednn_linear=False))
     sets = ["model.attn_backend=sdpa"] if "-blocked" in off else []
     if "-fused_ce" in off:
         import internlm_core.numerics.kernels as K

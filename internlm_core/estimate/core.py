@@ -8,10 +8,12 @@ from typing import Any, Optional
 from ..config import Config
 from ..model import get_model_spec, model_args_from_config
 from ..model.counts import ActivationContext
-from ..numerics.kernels import (LINEAR, native_half_gemm, select_attention, select_cross_entropy, select_grad_reduce,
+from ..numerics.kernels import (LINEAR, select_attention, select_cross_entropy, select_grad_reduce,
                                 select_linear)
 from ..numerics.precision import resolve_precision
-from ..utils.accelerators import WORKING, onednn_linear_available
+from ..utils import cpu_features
+from ..utils.accelerators import WORKING
+from ..utils.cpu_features import CpuFeatures
 from .activations import TokenBytes, fused_forward_chunks, stage_activations, token_bytes
 from .communication import fsdp_communication
 from .figures import (DEFAULT_MFU, DEFAULT_PEAK_TFLOPS, GiB, PRECISIONS, Communication, Estimate, Layout,
@@ -31,8 +33,9 @@ class Kernels:
 
 
 def choose_kernels(cfg: Config, lay: Layout, numerics: Any, device: str, attention: Optional[str],
-                   grad_reduce: Optional[str], linear: Optional[str]) -> Kernels:
-    """select_kernels' choices (the CPU's features: this machine's) where no override is given."""
+                   grad_reduce: Optional[str], linear: Optional[str], cpu: Optional[CpuFeatures] = None) -> Kernels:
+    """select_kernels' choices where no override is given; `cpu`: the CPU's features (default
+    utils.cpu_features.current(): this machine's, unless pinned)."""
     m, d = cfg.model, cfg.data
     if attention is None:
         attention = select_attention(m.attn_backend, m.use_flash_attn, numerics, device, WORKING, [], {})
@@ -41,8 +44,8 @@ def choose_kernels(cfg: Config, lay: Layout, numerics: Any, device: str, attenti
     if grad_reduce is None:
         grad_reduce = select_grad_reduce(lay.dp, lay.dp_shard, lay.pp, d.micro_num, [])
     if linear is None:
-        cpu = device == "cpu"
-        linear = select_linear(device, numerics, cpu and onednn_linear_available(), native_half_gemm() if cpu else ())
+        feats = (cpu or cpu_features.current()) if device == "cpu" else CpuFeatures()
+        linear = select_linear(device, numerics, feats.onednn_linear, feats.native_half_gemm)
     elif linear not in LINEAR:
         raise ValueError(f"linear {linear!r}: expected one of {', '.join(LINEAR)}")
     return Kernels(attention, cross_entropy, grad_reduce, linear)
@@ -77,7 +80,7 @@ def estimate(cfg: Config, world_size: int = 1, precision: str = "internlm_core",
              peak_tflops: float = DEFAULT_PEAK_TFLOPS, attention: Optional[str] = None,
              device_memory_gib: Optional[float] = None, args: Optional[Any] = None,
              device: str = "cuda", grad_reduce: Optional[str] = None, pipeline_rank: Optional[int] = None,
-             runtime_bytes: float = 0.0, linear: Optional[str] = None) -> Estimate:
+             runtime_bytes: float = 0.0, linear: Optional[str] = None, cpu: Optional[CpuFeatures] = None) -> Estimate:
     """The figures of `cfg` on `world_size` devices of type `device` ("cuda" or "cpu").
 
     The kernels are those numerics.select_kernels would choose on such devices with requirements-gpu.txt
@@ -86,7 +89,8 @@ def estimate(cfg: Config, world_size: int = 1, precision: str = "internlm_core",
     override when FSDP reduces gradients, "micro_batch" or "step" (which keeps them unsharded in between).
     linear: override the linear kernel: "fp32_gemm" (a CPU without native 16-bit GEMM: the casts it saves, the
     fp32 copies of its backward) or "onednn" / "torch" (autocast's cached casts); default this machine's choice
-    for device "cpu" (numerics.select_linear of its native_half_gemm), "torch" for "cuda".
+    for device "cpu" (numerics.select_linear of `cpu`'s native_half_gemm), "torch" for "cuda". cpu: the CPU's
+    features (utils/cpu_features.py; default current(): this machine's, unless pinned).
     pipeline_rank: the memory of that pipeline stage instead of the busiest one. runtime_bytes: what the process
     holds before the model (CPU: its resident memory, which the peak of a CPU run counts; a CUDA allocator's peak
     does not count it, so it is ignored there).
@@ -98,7 +102,7 @@ def estimate(cfg: Config, world_size: int = 1, precision: str = "internlm_core",
     d = cfg.data
     lay = Layout.from_config(cfg, world_size, spec.plan)
     numerics = resolve_precision(cfg.model.dtype, device)
-    k = choose_kernels(cfg, lay, numerics, device, attention, grad_reduce, linear)
+    k = choose_kernels(cfg, lay, numerics, device, attention, grad_reduce, linear, cpu)
     comp = numerics.compute_dtype.itemsize
     figures = ModelFigures.resolve(spec, args, lay, d.seq_len)
     ctx = ActivationContext(seq_len=d.seq_len, compute_bytes=comp,
@@ -152,7 +156,7 @@ def context_exchange_bytes(cfg: Config, lay: Layout, comp: int, layers: int) -> 
     from ..model.context import predicted_context_bytes  # context-parallel runs only
     m, d = cfg.model, cfg.data
     kv = m.num_kv_attention_heads or m.num_attention_heads
-    head_dim = getattr(m, "head_dim", None) or m.hidden_size // m.num_attention_heads
+    head_dim = m.head_dim or m.hidden_size // m.num_attention_heads
     one = predicted_context_bytes(lay.cp_mode, lay.cp, lay.cp_inner, d.micro_bsz, d.seq_len,
                                   m.num_attention_heads // lay.tp, max(kv // lay.tp, 1), head_dim, comp, layers)
     return float(one * d.micro_num)

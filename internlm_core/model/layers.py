@@ -10,6 +10,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 
+from ..utils import cpu_features
+
 
 class RMSNorm(nn.RMSNorm):
     """torch's RMSNorm, optionally computed in fp32 under low-precision compute (InternLM's use_fp32_norm)."""
@@ -23,13 +25,6 @@ class RMSNorm(nn.RMSNorm):
             with torch.autocast(x.device.type, enabled=False):
                 return super().forward(x.float()).to(x.dtype)
         return super().forward(x)
-
-
-def _onednn_linear_available() -> bool:
-    return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
-
-
-_ONEDNN_LINEAR = _onednn_linear_available()
 
 
 @torch.library.custom_op("internlm_core::onednn_matmul", mutates_args=())
@@ -61,22 +56,11 @@ def _onednn_matmul_backward(ctx, grad_out: torch.Tensor):
 onednn_matmul.register_autograd(_onednn_matmul_backward, setup_context=_onednn_matmul_setup)
 
 
-def _cpu_has_half_gemm() -> dict[torch.dtype, bool]:
-    """Whether this CPU multiplies bf16 / fp16 natively (AVX-512 BF16/FP16, AMX); without it oneDNN and MKL
-    emulate them, and the backward's GEMMs run ~100x slower than fp32 (0.3 GFLOP/s on an AVX2 EPYC)."""
-    try:
-        return {torch.bfloat16: bool(torch.ops.mkldnn._is_mkldnn_bf16_supported()),
-                torch.float16: bool(torch.ops.mkldnn._is_mkldnn_fp16_supported())}
-    except (AttributeError, RuntimeError):
-        return {torch.bfloat16: False, torch.float16: False}
-
-
-_CPU_HALF_GEMM = _cpu_has_half_gemm()
-
-
 def cpu_half_gemm_upcast(dtype: torch.dtype) -> bool:
-    """Linear layers of this 16-bit dtype run their GEMMs in fp32 on this CPU (see HalfLinearFp32Gemm)."""
-    return dtype in _CPU_HALF_GEMM and not _CPU_HALF_GEMM[dtype]
+    """Linear layers of this 16-bit dtype run their GEMMs in fp32 (see HalfLinearFp32Gemm): the CPU (its features
+    as utils/cpu_features.py holds them, pinnable) has no native GEMM for it. Without one oneDNN and MKL emulate
+    16-bit GEMMs, and the backward's run ~100x slower than fp32 (0.3 GFLOP/s on an AVX2 EPYC)."""
+    return cpu_features.current().upcasts(dtype)
 
 
 class HalfLinearFp32Gemm(torch.autograd.Function):
@@ -126,7 +110,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] =
         with torch.autocast("cpu", enabled=False):
             y = HalfLinearFp32Gemm.apply(x.to(half), weight.to(half))
             return y if bias is None else y + bias.to(half)
-    if (_ONEDNN_LINEAR and x.dtype == torch.float32 and weight.dtype == torch.float32
+    if (cpu_features.current().onednn_linear and x.dtype == torch.float32 and weight.dtype == torch.float32
             and not isinstance(weight, DTensor) and not isinstance(x, DTensor) and not autocast):
         y = onednn_matmul(x, weight)
         return y if bias is None else y + bias

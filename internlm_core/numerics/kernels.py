@@ -31,8 +31,7 @@ from typing import Any, Optional
 import torch
 
 from ..errors import ConfigError
-from ..model.layers import cpu_half_gemm_upcast
-from ..utils import accelerators
+from ..utils import accelerators, cpu_features
 from ..utils.accelerators import Probe
 from ..utils.logging import get_logger
 from .precision import Precision
@@ -79,8 +78,9 @@ class Probes:
 
 
 def native_half_gemm() -> tuple[torch.dtype, ...]:
-    """The 16-bit dtypes this CPU multiplies natively (AVX-512 BF16 / FP16, AMX: oneDNN's probe)."""
-    return tuple(d for d in (torch.bfloat16, torch.float16) if not cpu_half_gemm_upcast(d))
+    """The 16-bit dtypes this CPU multiplies natively (AVX-512 BF16 / FP16, AMX: oneDNN's probe), as
+    utils.cpu_features.current() holds them (pinnable)."""
+    return cpu_features.current().native_half_gemm
 
 
 def probe_all(device_type: str) -> Probes:
@@ -90,7 +90,7 @@ def probe_all(device_type: str) -> Probes:
         flash_attn=accelerators.probe_flash_attn(device_type) if cuda else accelerators.NOT_INSTALLED,
         flash_cross_entropy=accelerators.probe_flash_cross_entropy(device_type) if cuda else accelerators.NOT_INSTALLED,
         apex=accelerators.probe_apex(device_type) if cuda else accelerators.NOT_INSTALLED,
-        onednn=device_type == "cpu" and accelerators.onednn_linear_available(),
+        onednn=device_type == "cpu" and cpu_features.current().onednn_linear,
         native_half_gemm=native_half_gemm())
 
 

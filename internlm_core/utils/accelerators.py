@@ -101,12 +101,6 @@ def probe_apex(device_type: str) -> Probe:
     return WORKING
 
 
-@functools.lru_cache(maxsize=None)
-def onednn_linear_available() -> bool:
-    """oneDNN's fp32 GEMM op (`mkldnn._linear_pointwise`) is present in this torch build."""
-    return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
-
-
 def bind_thread_device(device: torch.device) -> bool:
     """Make `device` the calling thread's current device; False (nothing set) for the CPU and other devices without
     a current-device notion. CUDA keeps the current device per host thread and a new thread starts on device 0:
@@ -123,5 +117,5 @@ def bind_thread_device(device: torch.device) -> bool:
 
 def clear_probe_cache() -> None:
     """Forget every probe result (tests that install or break a fake package)."""
-    for fn in (probe_flash_attn, probe_flash_cross_entropy, probe_apex, onednn_linear_available):
+    for fn in (probe_flash_attn, probe_flash_cross_entropy, probe_apex):
         fn.cache_clear()

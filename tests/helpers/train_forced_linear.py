@@ -16,10 +16,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import torch  # noqa: E402
 
-import internlm_core.model.layers as layers  # noqa: E402
+from internlm_core.utils import cpu_features  # noqa: E402
 
 mode, sys.argv = sys.argv[1], [sys.argv[0], *sys.argv[2:]]
 if mode not in ("native", "fp32_gemm"):
     sys.exit(f"train_forced_linear.py: expected native or fp32_gemm, got {mode!r}")
-layers._CPU_HALF_GEMM[torch.bfloat16] = mode == "native"  # the CPU probe's answer, as numerics reads it
+machine = cpu_features.detect()
+others = tuple(d for d in machine.native_half_gemm if d != torch.bfloat16)
+# the CPU's features as kernels, numerics and the estimator read them
+native = others + ((torch.bfloat16,) if mode == "native" else ())
+cpu_features.pin(cpu_features.CpuFeatures(native, machine.onednn_linear))
 runpy.run_path(str(Path(__file__).with_name("train_live_memory.py")), run_name="__main__")

@@ -8,14 +8,16 @@ import pytest
 import torch
 
 import internlm_core.loss as loss_module
-import internlm_core.model.layers as layers
 from internlm_core.config import load_config
 from internlm_core.estimate import GiB, estimate, format_estimate
 from internlm_core.estimate.activations import FUSED_CHUNK_BYTES
 from internlm_core.loss import FlashGPTLMLoss
 from internlm_core.model import build_model, model_args_from_config
+from internlm_core.model.layers import cpu_half_gemm_upcast
 from internlm_core.numerics import native_half_gemm, resolve_precision, select_linear
 from internlm_core.parallel import checkpoint_and_compile
+from internlm_core.utils import cpu_features
+from internlm_core.utils.cpu_features import CpuFeatures, pinned
 from tests.helpers.launch import run_script, run_train
 from tests.helpers.live_tensors import LiveTensorBytes
 
@@ -242,8 +244,12 @@ def test_linear_kernel_is_decided_from_the_cpu_feature():
     assert select_linear("cpu", fp32, True, ()) == "onednn"  # fp32 compute never upcasts
     assert select_linear("cuda", resolve_precision("torch.bfloat16", "cuda"), False, ()) == "torch"
     cfg = load_config("configs/tiny.py", ["model.dtype=torch.bfloat16"])
-    here = select_linear("cpu", bf16, True, native_half_gemm())  # this machine's decision, the estimator's default
-    assert (estimate(cfg, 1, device="cpu").linear == "fp32_gemm") == (here == "fp32_gemm")
+    for cpu, want in ((CpuFeatures.EMULATED, "fp32_gemm"), (CpuFeatures.NATIVE, "onednn")):
+        assert estimate(cfg, 1, device="cpu", cpu=cpu).linear == want  # the features as an explicit input
+        with pinned(cpu):  # or pinned for the process: the estimator's default, numerics' probes, the kernels
+            assert estimate(cfg, 1, device="cpu").linear == want
+            assert select_linear("cpu", bf16, True, native_half_gemm()) == want
+            assert cpu_half_gemm_upcast(torch.bfloat16) == (want == "fp32_gemm")
     assert estimate(cfg, 1).linear == "torch"
 
 
@@ -304,7 +310,7 @@ def test_live_tensors_at_the_peak_match_the_estimate_on_both_linear_paths(monkey
     16-bit GEMM decision forced either way (on a CPU without avx512_bf16 the native path is emulated by oneDNN:
     slow, hence the small shapes). Measured here (avx512_bf16): gqa 1.02 / 1.06, ckpt-weights 1.01 / 1.06
     (native / fp32_gemm); the previous estimator's native weight copies were 0.15 of ckpt-weights' cache."""
-    monkeypatch.setitem(layers._CPU_HALF_GEMM, torch.bfloat16, linear == "native")
+    monkeypatch.setattr(cpu_features, "_pinned", CpuFeatures.NATIVE if linear == "native" else CpuFeatures.EMULATED)
     cfg = load_config("configs/tiny.py", ["model.hidden_size=256", "model.num_layers=4", "model.dtype=torch.bfloat16",
                                           "data.micro_bsz=1", *extra])
     m = estimate(cfg, 1, device="cpu", linear="onednn" if linear == "native" else "fp32_gemm").memory
