@@ -172,14 +172,42 @@ class AdamConfig:
 
 
 @dataclass
-class LRSchedulerConfig:
-    """Warm-up then cosine learning-rate schedule (InternLM's `lr_scheduler`)."""
+class OptimizerConfig:
+    """Which optimizer (InternLM's `adam` section configures AdamW, and Muon's AdamW part, lr and weight decay)."""
 
+    name: str = f("adamw", "adamw (every parameter) or muon: Muon (momentum, then Newton-Schulz orthogonalization of each whole matrix) for the >= 2-D weights inside the transformer blocks (attention and MLP matrices, each MoE expert's matrix on its own), AdamW (the `adam` keys) for the rest: embeddings, the output head, norms, biases and the MoE routers. Both use adam.lr and adam.weight_decay (decoupled) and the lr schedule; Muon's update is scaled by muon_rms_scale * sqrt(max(rows, columns)) to match AdamW's update RMS (Moonlight).")
+    muon_momentum: float = f(0.95, "Muon: momentum of the gradient average (buffer = lerp(buffer, grad, 1 - momentum)).")
+    muon_nesterov: bool = f(True, "Muon: orthogonalize lerp(grad, buffer, momentum) (Nesterov) instead of the buffer.")
+    muon_ns_steps: int = f(5, "Muon: Newton-Schulz iterations.")
+    muon_ns_coefficients: tuple = f(None, "Muon: the quintic Newton-Schulz coefficients (a, b, c).",
+                                    factory=lambda: (3.4445, -4.7750, 2.0315))
+    muon_ns_dtype: str = f("bfloat16", "Muon: dtype of the Newton-Schulz iteration, bfloat16 (as torch.optim.Muon and Moonlight) or float32.")
+    muon_rms_scale: float = f(0.2, "Muon: the update is scaled by this * sqrt(max(rows, columns)) (0.2: the RMS of AdamW's update, so AdamW's lr and weight decay carry over).")
+    muon_eps: float = f(1e-7, "Muon: added to the norm the Newton-Schulz input is divided by.")
+
+    def __post_init__(self) -> None:
+        from .optimizer import check_optimizer
+        check_optimizer(self)
+
+
+@dataclass
+class LRSchedulerConfig:
+    """Learning-rate schedule (InternLM's `lr_scheduler`): warm-up then cosine (InternLM's), or warm-up, stable,
+    decay (WSD). Either is a pure function of the step and these keys: a resumed run may change them."""
+
+    name: str = f("cosine", "Schedule: cosine (linear warm-up, then cosine from adam.lr to eta_min at total_steps; InternLM's) or wsd (linear warm-up, adam.lr until the decay start, then decay_shape down to eta_min at total_steps).")
     total_steps: Optional[int] = f(None, "Length of the schedule; default `data.total_steps`.")
     init_steps: int = f(0, "Steps already taken before this schedule starts.")
     warmup_ratio: float = f(0.01, "Fraction of total_steps spent in linear warm-up.")
-    eta_min: float = f(1e-5, "Learning rate at the end of the cosine.")
+    eta_min: float = f(1e-5, "Learning rate at the end of the cosine (wsd: of the decay).")
+    decay_start_step: Optional[int] = f(None, "wsd: the step the decay starts at (between the end of the warm-up and total_steps); None: total_steps - int(total_steps * decay_ratio). A job resumed with another value decays from that step on (e.g. set it to the current step to cool down now).")
+    decay_ratio: float = f(0.1, "wsd: fraction of total_steps spent in the decay, when decay_start_step is None.")
+    decay_shape: str = f("1-sqrt", "wsd: the decay's shape with p the fraction of the decay done: linear (1-p), cosine ((1+cos(pi p))/2) or 1-sqrt (1-sqrt(p)), times adam.lr - eta_min, plus eta_min.")
     last_epoch: int = f(-1, "Kept for InternLM compatibility (torch's last_epoch).", compat=True)
+
+    def __post_init__(self) -> None:
+        from .optimizer import check_lr_scheduler  # the rules beside the optimizer section's
+        check_lr_scheduler(self)
 
 
 @dataclass
@@ -320,6 +348,7 @@ class Config:
     parallel: ParallelConfig = f(factory=ParallelConfig, help="See ParallelConfig.")
     moe: MoEConfig = f(factory=MoEConfig, help="See MoEConfig.")
     adam: AdamConfig = f(factory=AdamConfig, help="See AdamConfig.")
+    optimizer: OptimizerConfig = f(factory=OptimizerConfig, help="See OptimizerConfig.")
     lr_scheduler: LRSchedulerConfig = f(factory=LRSchedulerConfig, help="See LRSchedulerConfig.")
     beta2_scheduler: Beta2SchedulerConfig = f(factory=Beta2SchedulerConfig, help="See Beta2SchedulerConfig.")
     grad_scaler: GradScalerConfig = f(factory=GradScalerConfig, help="See GradScalerConfig.")

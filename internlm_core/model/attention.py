@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from ..utils.transfer import to_device
-from .context import ContextGroup, ContextMeta, build_context_meta, context_attention
+from .context import ContextGroup, ContextMeta, build_context_meta, context_attention, one_dtype
 
 
 
@@ -247,7 +247,9 @@ def sdpa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Opti
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: PackedMeta, backend: str) -> torch.Tensor:
     """q [B, T, H, D], k/v [B, T, Hkv, D] -> [B, T, H, D]; causal within each document; `backend` as chosen by
     numerics.select_kernels ("flash", "sdpa", "cpu_blocked"). Under context parallel (meta.context) T is the
-    rank's chunk and every backend runs model/context's blockwise kernels."""
+    rank's chunk and every backend runs model/context's blockwise kernels. q, k, v go in one dtype
+    (`context.one_dtype`: autocast's, else v's), whatever dtype a norm or rotary handed q and k on in."""
+    q, k, v = one_dtype(q, k, v)
     if meta.context is not None:
         return context_attention(q, k, v, meta.context, backend)
     if backend == "flash":

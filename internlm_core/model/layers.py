@@ -14,17 +14,22 @@ from ..utils import cpu_features
 
 
 class RMSNorm(nn.RMSNorm):
-    """torch's RMSNorm, optionally computed in fp32 under low-precision compute (InternLM's use_fp32_norm)."""
+    """torch's RMSNorm under the package's dtype policy (numerics/precision.py): it returns its input's dtype, on
+    every device and under autocast or not. CUDA's autocast would run `rms_norm` in fp32 and hand fp32 on (CPU's
+    does not): twice the bytes of every norm output, and q/k in fp32 next to a bf16 v. Autocast is off inside, so
+    torch's kernel runs on the input's dtype, its statistics (mean square, rsqrt) in fp32 for 16-bit inputs.
+    fp32=True (InternLM's use_fp32_norm): the whole norm, weight multiply included, in fp32, then cast back."""
 
     def __init__(self, dim: int, eps: float, fp32: bool = False):
         super().__init__(dim, eps=eps)
         self.fp32 = fp32
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.fp32 and x.dtype != torch.float32:
-            with torch.autocast(x.device.type, enabled=False):
-                return super().forward(x.float()).to(x.dtype)
-        return super().forward(x)
+        with torch.autocast(x.device.type, enabled=False):
+            if self.fp32 and x.dtype != torch.float32:
+                weight = self.weight.float() if self.weight is not None else None
+                return F.rms_norm(x.float(), self.normalized_shape, weight, self.eps).to(x.dtype)
+            return super().forward(x).to(x.dtype)
 
 
 @torch.library.custom_op("internlm_core::onednn_matmul", mutates_args=())

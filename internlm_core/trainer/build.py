@@ -28,7 +28,7 @@ from ..monitor import (AlertManager, MemoryProfiler, RestartReporter, build_loss
 from ..monitor.trackers import TrackerHub, build_trackers
 from ..model import ModelInputs, build_model, count_parameters, model_args, model_flops_per_token, model_spec
 from ..numerics import Kernels, Precision, resolve_precision, select_kernels
-from ..optim import Beta2Scheduler, DynamicGradScaler, WarmupCosineLR, build_optimizer
+from ..optim import Beta2Scheduler, DynamicGradScaler, WarmupCosineLR, WarmupStableDecayLR, build_optimizer
 from ..parallel import CommCounter, family_dims, parallel_options, parallelize_model
 from ..parallel.context import ContextCut
 from ..utils import collectives
@@ -103,7 +103,11 @@ def build_loss(cfg: Config, kernels: Kernels) -> FlashGPTLMLoss:
 
 def build_schedulers(cfg: Config, optimizer: torch.optim.Optimizer) -> tuple[WarmupCosineLR, Beta2Scheduler]:
     ls, bs = cfg.lr_scheduler, cfg.beta2_scheduler
-    lr = WarmupCosineLR(optimizer, ls.total_steps, ls.warmup_ratio, ls.eta_min, ls.init_steps)
+    if ls.name == "wsd":
+        lr = WarmupStableDecayLR(optimizer, ls.total_steps, ls.warmup_ratio, ls.eta_min, ls.init_steps,
+                                 ls.decay_start_step, ls.decay_ratio, ls.decay_shape)
+    else:
+        lr = WarmupCosineLR(optimizer, ls.total_steps, ls.warmup_ratio, ls.eta_min, ls.init_steps)
     beta2 = Beta2Scheduler(optimizer, bs.init_beta2, bs.c, bs.cur_iter)
     return lr, beta2
 
@@ -236,7 +240,8 @@ def build_trainer(cfg: Config, launch: LaunchInfo, run_dir: Path, seed: Optional
     write_run_files(cfg, run_dir, launch)
 
     model, pipeline, args = build_parallel_model(inputs, cfg, dims, launch, seed, precision, kernels)
-    optimizer = build_optimizer(model, cfg.adam, kernels.optimizer)
+    optimizer = build_optimizer(model, cfg.adam, kernels.optimizer, cfg.optimizer,
+                                model_spec(inputs).plan.blocks(model))
     lr_scheduler, beta2_scheduler = build_schedulers(cfg, optimizer)
     train_loader, valid_loaders = build_data(cfg, dims)
     evaluator = build_evaluator(cfg, dims, launch.device, launch.rank, run_dir, kernels.cross_entropy, simulated)

@@ -18,7 +18,7 @@ from typing import Optional
 import torch
 import torch.nn as nn
 
-from .blockwise import BLOCK, blockwise_attention, plan_blocks
+from .blockwise import BLOCK, blockwise_attention, one_dtype, plan_blocks
 from .counters import a2a_kv_heads, pop_context_bytes, predicted_context_bytes
 from .layout import (MODES, ContextGroup, ContextMeta, build_context_meta, local_positions, make_inner_group,
                      zigzag_indices)
@@ -26,7 +26,7 @@ from .two_d import two_d_attention
 from .ulysses import ulysses_attention
 
 __all__ = ["BLOCK", "MODES", "ContextGroup", "ContextMeta", "a2a_kv_heads", "blockwise_attention",
-           "build_context_meta", "context_attention", "local_positions", "make_inner_group", "plan_blocks",
+           "build_context_meta", "context_attention", "local_positions", "make_inner_group", "one_dtype", "plan_blocks",
            "pop_context_bytes", "predicted_context_bytes", "set_context_parallel", "zigzag_indices"]
 
 
@@ -34,7 +34,9 @@ __all__ = ["BLOCK", "MODES", "ContextGroup", "ContextMeta", "a2a_kv_heads", "blo
 def context_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: ContextMeta,
                       backend: Optional[str] = None) -> torch.Tensor:
     """q [B, T/C, H, D], k/v [B, T/C, Hkv, D] (this rank's zigzag chunk, its local heads) -> [B, T/C, H, D],
-    attention over the whole rows. `backend` is not used: every backend runs the blockwise core."""
+    attention over the whole rows. `backend` is not used: every backend runs the blockwise core. q, k, v are
+    computed in one dtype (`one_dtype`: autocast's, else v's)."""
+    q, k, v = one_dtype(q, k, v)
     if meta.context.mode == "all_to_all" or meta.ring is None:
         return ulysses_attention(q, k, v, meta)
     return two_d_attention(q, k, v, meta)  # ring: an all-to-all of size 1

@@ -233,6 +233,20 @@ class BlockwiseAttention(torch.autograd.Function):
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None
 
 
+def one_dtype(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """q, k, v in one dtype. Equal dtypes pass untouched; mixed ones go to the dtype the kernels compute in:
+    autocast's where it is on for their device (as CUDA's SDPA and flash-attn run under it), else v's (v leaves
+    its linear layer with no norm or rotary in between: it carries the compute dtype). Why: q/k that a norm handed
+    on in fp32 next to a bf16 v (CUDA autocast's rms_norm did, before norms returned their input's dtype) would
+    meet v in the hand-written backward, which multiplies them outside autocast (`attend_backward`: dO V^T). The
+    cast is differentiable: their gradients come back in q's and k's own dtypes."""
+    if q.dtype == k.dtype == v.dtype:
+        return q, k, v
+    device = v.device.type
+    dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else v.dtype
+    return q.to(dtype), k.to(dtype), v.to(dtype)
+
+
 def to_groups(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """[B, T, H, D] / [B, T, Hkv, D] -> q [B, Hkv, H / Hkv, T, D], k/v [B, Hkv, T, D], contiguous."""
@@ -254,6 +268,7 @@ def blockwise_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, index
                         doc: torch.Tensor, window: Optional[int] = None, block: int = BLOCK) -> torch.Tensor:
     """Attention of tokens at row positions `index` [T] with document ids `doc` [B, T] among themselves:
     q [B, T, H, D], k/v [B, T, Hkv, D] -> [B, T, H, D]."""
+    q, k, v = one_dtype(q, k, v)
     tokens = token_set(index.to(q.device), doc.to(q.device))
     plan = plan_blocks(tokens, tokens, window, block)
     return from_groups(BlockwiseAttention.apply(*to_groups(q, k, v), tokens, tokens, plan))
