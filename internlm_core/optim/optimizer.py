@@ -1,17 +1,20 @@
 """AdamW with decay / no-decay groups, in the implementation `numerics.select_kernels` chose: torch's fused kernel,
-torch's foreach one, or NVIDIA apex's FusedAdam (plain tensors on CUDA only)."""
+torch's foreach one, or NVIDIA apex's FusedAdam (plain tensors on CUDA only); or Muon for the hidden matrices with
+AdamW for the rest (optimizer.name = "muon", optim/muon.py)."""
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Iterable, Optional
 
 import torch
 from torch.distributed.tensor import DTensor
 
-from ..config.schema import AdamConfig
+from ..config.schema import AdamConfig, OptimizerConfig
 from ..errors import ConfigError
+from ..model.roles import hidden_matrices
 from ..numerics.kernels import OPTIMIZER as IMPLEMENTATIONS
 from ..utils.logging import get_logger
+from .muon import Muon
 
 logger = get_logger(__name__)
 
@@ -53,8 +56,38 @@ def apex_fused_adamw_class() -> type:
     return _APEX_CLASS
 
 
-def build_optimizer(model: torch.nn.Module, cfg: AdamConfig, impl: str) -> torch.optim.Optimizer:
-    """AdamW over the model's parameter groups; `impl` is `Kernels.optimizer` ("apex", "fused", "foreach")."""
+def build_muon(model: torch.nn.Module, cfg: AdamConfig, opt: OptimizerConfig,
+               blocks: Iterable[torch.nn.Module]) -> Muon:
+    """Muon for the hidden matrices (model/roles.py's rule), AdamW for the rest: decay for the other matrices
+    (embeddings, head, routers), none for 1-D parameters, as `param_groups`."""
+    if cfg.fused == "apex":
+        raise ConfigError("adam.fused: 'apex' is AdamW's kernel; optimizer.name='muon' runs its own AdamW part "
+                          "(torch's single-tensor AdamW): use 'auto' or 'torch'")
+    muon = hidden_matrices(model, blocks)
+    chosen = {id(p) for p in muon}
+    rest = [p for p in model.parameters() if p.requires_grad and id(p) not in chosen]
+    groups = [{"params": muon, "weight_decay": cfg.weight_decay, "use_muon": True, "name": "muon"},
+              {"params": [p for p in rest if p.dim() >= 2], "weight_decay": cfg.weight_decay, "name": "decay"},
+              {"params": [p for p in rest if p.dim() < 2], "weight_decay": 0.0, "name": "no_decay"}]
+    groups = [g for g in groups if g["params"]]
+    optimizer = Muon(groups, lr=cfg.lr, betas=(cfg.adam_beta1, cfg.adam_beta2), eps=cfg.adam_eps,
+                     momentum=opt.muon_momentum, nesterov=opt.muon_nesterov, ns_coefficients=opt.muon_ns_coefficients,
+                     ns_steps=opt.muon_ns_steps, ns_dtype=opt.muon_ns_dtype, rms_scale=opt.muon_rms_scale,
+                     ns_eps=opt.muon_eps)
+    logger.info(f"optimizer: Muon for {len(muon)} matrices of the blocks (Newton-Schulz {opt.muon_ns_steps} steps in "
+                f"{opt.muon_ns_dtype}, update x {opt.muon_rms_scale} sqrt(max(rows, columns))), AdamW (single-tensor) "
+                f"for {len(rest)} other tensors (embeddings, head, norms, biases, routers)")
+    return optimizer
+
+
+def build_optimizer(model: torch.nn.Module, cfg: AdamConfig, impl: str, opt: Optional[OptimizerConfig] = None,
+                    blocks: Optional[Iterable[torch.nn.Module]] = None) -> torch.optim.Optimizer:
+    """AdamW over the model's parameter groups; `impl` is `Kernels.optimizer` ("apex", "fused", "foreach").
+    With `opt.name` "muon": `build_muon` over the family plan's `blocks` of the model."""
+    if opt is not None and opt.name == "muon":
+        if blocks is None:
+            raise ValueError("build_optimizer: optimizer.name='muon' needs the model's blocks (the plan's blocks)")
+        return build_muon(model, cfg, opt, blocks)
     if impl not in IMPLEMENTATIONS:
         raise ValueError(f"optimizer implementation: expected one of {', '.join(IMPLEMENTATIONS)}, got {impl!r}")
     groups = param_groups(model, cfg.weight_decay)
