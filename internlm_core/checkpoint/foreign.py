@@ -67,13 +67,12 @@ def check_model_keys(args: Any, keys: Mapping[str, Any], source: str, what: str,
             "intermediate_size": args.ffn_width, "qkv_bias": bool(args.qkv_bias),
             "tie_word_embeddings": bool(args.tie_word_embeddings)}
     # the shared block's options (model/args.py), where the foreign config states them
-    ours.update(head_dim=args.head_dim, qk_norm=bool(getattr(args, "qk_norm", False)),
-                sliding_window=getattr(args, "sliding_window", None))
+    ours.update(head_dim=args.head_dim, qk_norm=bool(args.qk_norm), sliding_window=args.sliding_window)
     keys = dict(keys)
     if numerics:
         ours.update(rope_base=float(args.rope_base), layer_norm_epsilon=float(args.norm_eps))
     if "rope_scaling" in keys:  # the same scaling, whichever spelling (type / rope_type) each side uses
-        ours["rope_scaling"] = _scaling(getattr(args, "rope_scaling", None))
+        ours["rope_scaling"] = _scaling(args.rope_scaling)
         keys["rope_scaling"] = _scaling(keys["rope_scaling"])
     diff = [f"{k}: model {v} vs {source} {keys[k]}" for k, v in ours.items() if k in keys and keys[k] != v]
     if diff:

@@ -104,7 +104,7 @@ class CheckpointManager:
                                             keep_last_k=cfg.keep_last_k, config_text=config_text, alerts=alerts)
         self._warned_disabled = False
         # one live writer per folder (lease.py): taken by rank 0 at resume(), checked before every marker
-        timeout = float(getattr(cfg, "lease_timeout", 0) or 0)
+        timeout = float(cfg.lease_timeout or 0)
         self.lease: Optional[Lease] = (Lease(self.dest, timeout, str(run_dir)) if self.save_enabled and timeout > 0
                                        and self.rank == 0 else None)
         if self.lease is not None and self._writer is not None:

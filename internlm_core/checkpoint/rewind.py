@@ -106,12 +106,12 @@ class SpikeRewind(TrainerCallback):
 def build_spike_rewind(monitor_cfg: Any, manager: CheckpointManager, health: Any, skipper: Any
                        ) -> Optional[SpikeRewind]:
     """A SpikeRewind from `cfg.monitor` (spike_rewind, spike_rewind_steps, max_rewinds); None when off."""
-    if not getattr(monitor_cfg, "spike_rewind", False):
+    if not monitor_cfg.spike_rewind:
         return None
-    if health is None or not getattr(health, "spike_ratio", 0) or health.spike_ratio <= 0:
+    if health is None or not health.spike_ratio or health.spike_ratio <= 0:
         raise ConfigError("monitor.spike_rewind: needs monitor.loss_spike_ratio > 0 (what counts as a spike)")
     if not manager.save_enabled:
         raise ConfigError("monitor.spike_rewind: needs checkpoints to rewind to (ckpt.enable_save_ckpt=True and "
                           "ckpt.save_ckpt_folder)")
-    return SpikeRewind(manager, health, skipper, int(getattr(monitor_cfg, "spike_rewind_steps", 3)),
-                       int(getattr(monitor_cfg, "max_rewinds", 3)))
+    return SpikeRewind(manager, health, skipper, int(monitor_cfg.spike_rewind_steps),
+                       int(monitor_cfg.max_rewinds))

@@ -19,7 +19,7 @@ from ..errors import ConfigError
 from ..model.spec import get_model_spec
 from ..utils.redact import drop_redacted, redact_tree, register_tree
 from .ckpt_names import CKPT_TYPE_ALIASES, CKPT_TYPES, CONTENTS
-from .compat import CompatNotes, normalize
+from .compat import normalize
 from .context import check_context
 from .fault_tolerance import check_fault_tolerance
 from .schema import TRACKERS, Config, DataConfig, LoadCkptInfo
@@ -199,7 +199,7 @@ def build_config(raw: dict, source: str = "config", world_size: int | None = Non
         cfg = _build(Config, raw, "")
     except ConfigError as e:
         raise ConfigError(f"{source}: {e}") from None
-    cfg.compat_notes = notes  # type: ignore[attr-defined]  # not a config key: logged at start (compat_lines)
+    cfg.compat_notes = notes
     try:
         fill_defaults(cfg)
         fit_zero1_to_world(cfg, world_size)
@@ -231,8 +231,7 @@ def _collect_family_dims(raw: dict) -> dict:
 def compat_lines(cfg: Config) -> list[str]:
     """The log lines saying which keys of the loaded file were kept for compatibility only, and which InternLM
     forms were translated (empty for a config in our own terms)."""
-    notes = getattr(cfg, "compat_notes", None)
-    return notes.lines() if isinstance(notes, CompatNotes) else []
+    return cfg.compat_notes.lines() if cfg.compat_notes is not None else []
 
 
 def fill_defaults(cfg: Config) -> None:
@@ -296,9 +295,8 @@ def fit_zero1_to_world(cfg: Config, world_size: int | None) -> None:
         return
     dp = world_size // split
     if p.zero1 > dp:
-        notes = getattr(cfg, "compat_notes", None)
-        if notes is not None:
-            notes.mapped.append(f"parallel.zero1={p.zero1} > data-parallel size {dp}: sharding over all {dp}")
+        if cfg.compat_notes is not None:
+            cfg.compat_notes.mapped.append(f"parallel.zero1={p.zero1} > data-parallel size {dp}: sharding over all {dp}")
         p.zero1 = dp
 
 

@@ -8,7 +8,7 @@ Key names are InternLM's (configs/7B_sft.py at commit aaaf4d7); new keys follow 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Optional, Union
+from typing import Any, ClassVar, Optional, Union
 
 from .ckpt_names import CONTENTS
 
@@ -365,6 +365,9 @@ class Config:
     tokenizer: Optional[str] = f(None, "Tokenizer of the data (model path or `byte`), recorded for export.")
     memory_check: str = f("refuse", "Before materializing, each rank's estimated peak (tools/estimate.py) against the memory free for it (CPU: available host RAM shared by the node's ranks; CUDA: the device's free memory): \"refuse\" a run that cannot fit (one line: both numbers and the nearest layouts that fit) and warn within the estimator's error (15%); \"warn\" only warns (train.py --force); \"off\" skips the check.")
     memory_limit_gib: Optional[float] = f(None, "Memory free per device for memory_check, in GiB, instead of the measured figure (pretend a smaller machine, or keep room for something else); None: measure.")
+    # not a config key: which keys of the loaded file were kept for compatibility or translated (build_config sets
+    # it, compat_lines logs it; a compat.CompatNotes); None for a Config made in code
+    compat_notes: ClassVar[Any] = None
 
     def model_inputs(self) -> Any:
         """The plain values the model family reads (model.ModelInputs): its section, seq_len, the layout."""

@@ -199,7 +199,7 @@ def build_train_loader(data_cfg, *, dp_rank: int, dp_size: int, vocab_size: int)
 
     `data_cfg.num_worker > 0` prepares up to `2 * num_worker` batches ahead in a background thread.
     """
-    if getattr(data_cfg, "type", "tokenized") == "streaming":
+    if data_cfg.type == "streaming":
         return build_streaming_loader(data_cfg, dp_rank=dp_rank, dp_size=dp_size, vocab_size=vocab_size)
     shape = row_shape(data_cfg)
     seed = data_seed(data_cfg)
@@ -210,13 +210,13 @@ def build_train_loader(data_cfg, *, dp_rank: int, dp_size: int, vocab_size: int)
         where = f"data.train_folder {folder}"
         files, per_file, names = list_folder(folder, data_cfg.dataset_type_mode, "data.train_folder")
         sources = open_files(files, verify=False)
-        root = getattr(data_cfg, "index_cache_folder", None) or default_cache_root(folder)
+        root = data_cfg.index_cache_folder or default_cache_root(folder)
         base = folder if os.path.isdir(folder) else os.path.dirname(folder)
         table, cache = scan_table(sources, per_file, names, base, root, data_cfg.min_length, where)
         logger.info("training data %s: %d files, %d documents, %d tokens, types %s", folder, len(sources),
                     table.num_docs, table.num_tokens, names)
     present = {t: table.type_names[t] for t in sorted(set(table.source_types.tolist()))}
-    weights = getattr(data_cfg, "dataset_weights", None)
+    weights = data_cfg.dataset_weights
     all_sources = list(range(len(table.sources)))
     if weights:
         mixture = Mixture(weights, present, where)
@@ -237,7 +237,7 @@ def build_train_loader(data_cfg, *, dp_rank: int, dp_size: int, vocab_size: int)
                        dp_rank=dp_rank, dp_size=dp_size, seed=seed, vocab_size=vocab_size,
                        type_names=table.type_names, prefetch=2 * max(0, int(data_cfg.num_worker or 0)),
                        rampup=Rampup(data_cfg.rampup_batch_size, data_cfg.micro_num)
-                       if getattr(data_cfg, "rampup_batch_size", "") else None)
+                       if data_cfg.rampup_batch_size else None)
 
 
 def build_valid_loaders(data_cfg, *, dp_rank: int, dp_size: int, vocab_size: int) -> Dict[str, Iterable[Batch]]:

@@ -67,14 +67,9 @@ class Layout:
 def family_dims(cfg: Config, plan: Any, dp_shard: int) -> dict[str, int]:
     """{mesh name: size} of the dimensions `plan` adds (`parallel.<key>`, 1 where unset; <= 0: what the
     dimension resolves it to against dp_shard, by default all of it)."""
-    requested: Mapping[str, int] = getattr(cfg.parallel, "dims", None) or {}
-    sizes = {}
-    for d in getattr(plan, "mesh_dims", ()) or ():
-        want = int(requested.get(d.key, 1))
-        size = getattr(d, "size", None)
-        sizes[d.name] = int(size(want, dp_shard, cfg.model_inputs())) if callable(size) else \
-            (dp_shard if want <= 0 else want)
-    return sizes
+    requested: Mapping[str, int] = cfg.parallel.dims
+    dims = plan.mesh_dims if plan is not None else ()
+    return {d.name: int(d.size(int(requested.get(d.key, 1)), dp_shard, cfg.model_inputs())) for d in dims}
 
 
 # CUDA memory outside the caching allocator (what `torch.cuda.max_memory_reserved` never shows, nvidia-smi does): the

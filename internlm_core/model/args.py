@@ -59,9 +59,9 @@ def args_from_model_config(m: Any, seq_len: int, attn_backend: str = "sdpa") -> 
         rope_base=m.rope_base, tie_word_embeddings=m.tie_word_embeddings, init_std=m.init_std,
         embed_grad_scale=m.embed_grad_scale, apply_post_layer_norm=m.apply_post_layer_norm,
         use_fp32_norm=m.use_fp32_norm, attn_backend=attn_backend,
-        qk_norm=bool(getattr(m, "qk_norm", False)), sliding_window=getattr(m, "sliding_window", None),
-        rope_scaling=dict(m.rope_scaling) if getattr(m, "rope_scaling", None) else None,
-        attention_head_dim=getattr(m, "head_dim", None),
+        qk_norm=bool(m.qk_norm), sliding_window=m.sliding_window,
+        rope_scaling=dict(m.rope_scaling) if m.rope_scaling else None,
+        attention_head_dim=m.head_dim,
     )
 
 

@@ -41,7 +41,9 @@ def build_model(source: ModelSource, device: torch.device | str = "cpu", seed: O
     with torch.device("meta"):
         model = model_spec(source).module(args)
     if device.type != "meta":
-        materialize(model, device, seed if seed is not None else getattr(source, "seed", 0))
+        if seed is None:  # a config's `seed`; ModelInputs carry none
+            seed = 0 if isinstance(source, ModelInputs) else source.seed
+        materialize(model, device, seed)
     return model
 
 

@@ -297,19 +297,19 @@ def build_alert_manager(monitor_cfg: Any, job_name: str = "", rank: int = 0, **k
     INTERNLM_FEISHU_ALERT_ADDRESS. JSON webhook: `alert.webhook_url` or env INTERNLM_ALERT_WEBHOOK.
     File: `alert.alert_file_path`. Extra keyword arguments go to AlertManager (timeout, max_retries, ...).
     """
-    alert_cfg = getattr(monitor_cfg, "alert", monitor_cfg)
+    alert_cfg = monitor_cfg.alert
     sinks: list[AlertSink] = []
-    if getattr(alert_cfg, "enable_feishu_alert", False):
-        address = getattr(alert_cfg, "feishu_alert_address", None) or os.environ.get(FEISHU_ENV)
+    if alert_cfg.enable_feishu_alert:
+        address = alert_cfg.feishu_alert_address or os.environ.get(FEISHU_ENV)
         if address:
             sinks.append(FeishuSink(address))
         else:
             logger.warning("monitor.alert.enable_feishu_alert is set but no address is given "
                            "(monitor.alert.feishu_alert_address or env %s); Feishu alerts are off", FEISHU_ENV)
-    webhook = getattr(alert_cfg, "webhook_url", None) or os.environ.get(WEBHOOK_ENV)
+    webhook = alert_cfg.webhook_url or os.environ.get(WEBHOOK_ENV)
     if webhook:
         sinks.append(WebhookSink(webhook))
-    path = getattr(alert_cfg, "alert_file_path", None)
+    path = alert_cfg.alert_file_path
     if path:
         sinks.append(FileSink(path))
     manager = AlertManager(sinks, job_name=job_name, rank=rank, **kwargs)

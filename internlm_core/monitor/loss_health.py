@@ -181,9 +181,9 @@ def build_loss_health(monitor_cfg: Any, alerts: Optional[AlertManager] = None, r
                       **kwargs: Any) -> LossHealthMonitor:
     """A LossHealthMonitor from `cfg.monitor` (loss_spike_ratio, max_consecutive_inf_nan); an unset (None)
     loss_spike_ratio is InternLM's 1.5 when alerts go somewhere, else off."""
-    ratio = getattr(monitor_cfg, "loss_spike_ratio", 0.0)
+    ratio = monitor_cfg.loss_spike_ratio
     if ratio is None:
         ratio = INTERNLM_LOSS_SPIKE_RATIO if alerts is not None and alerts.enabled else 0.0
     return LossHealthMonitor(spike_ratio=ratio,
-                             max_consecutive_inf_nan=getattr(monitor_cfg, "max_consecutive_inf_nan", 10),
+                             max_consecutive_inf_nan=monitor_cfg.max_consecutive_inf_nan,
                              alerts=alerts, rank=rank, **kwargs)

@@ -202,4 +202,4 @@ class StopController(TrainerCallback):
 def build_stop_controller(ckpt_cfg: Any, rank: int = 0, alerts: Optional[AlertManager] = None,
                           **kwargs: Any) -> StopController:
     """A StopController from `cfg.ckpt.stop_file_path`, handling SIGTERM and SIGUSR1."""
-    return StopController(getattr(ckpt_cfg, "stop_file_path", None), rank=rank, alerts=alerts, **kwargs)
+    return StopController(ckpt_cfg.stop_file_path, rank=rank, alerts=alerts, **kwargs)

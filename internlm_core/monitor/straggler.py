@@ -221,8 +221,8 @@ class StragglerMonitor(TrainerCallback):
 def build_straggler_monitor(data_cfg: Any, rank: int = 0, group: Optional[dist.ProcessGroup] = None,
                             device: Optional[torch.device] = None, **kwargs: Any) -> Optional[StragglerMonitor]:
     """From `cfg.data.empty_cache_and_diag_interval` and `cfg.data.diag_outlier_ratio`; None when the interval <= 0."""
-    interval = int(getattr(data_cfg, "empty_cache_and_diag_interval", 0) or 0)
+    interval = int(data_cfg.empty_cache_and_diag_interval or 0)
     if interval <= 0:
         return None
-    return StragglerMonitor(interval, getattr(data_cfg, "diag_outlier_ratio", 1.1), rank=rank, group=group,
+    return StragglerMonitor(interval, data_cfg.diag_outlier_ratio, rank=rank, group=group,
                             device=device, **kwargs)

@@ -192,9 +192,9 @@ INTERNLM_HANG_TIMEOUT_S = 300.0  # InternLM's monitor_interval_seconds with aler
 def build_watchdog(monitor_cfg: Any, alerts: Optional[AlertManager] = None, rank: int = 0) -> Optional[HangWatchdog]:
     """A HangWatchdog from `cfg.monitor.hang_timeout`; None when it is 0 (off). Unset (None): InternLM's 300 s
     when alerts go somewhere, else off. `monitor.hang_action`: alert only, or alert and exit."""
-    timeout = getattr(monitor_cfg, "hang_timeout", 0)
+    timeout = monitor_cfg.hang_timeout
     if timeout is None:
         timeout = INTERNLM_HANG_TIMEOUT_S if alerts is not None and alerts.enabled else 0
     timeout = float(timeout or 0)
-    action = getattr(monitor_cfg, "hang_action", "alert")
+    action = monitor_cfg.hang_action
     return HangWatchdog(timeout, alerts=alerts, rank=rank, action=action) if timeout > 0 else None

@@ -292,7 +292,7 @@ def build_parallel_model(inputs: ModelInputs, cfg: Config, dims: ParallelDims, l
                                         seed=seed, precision=precision, grad_reduce=kernels.grad_reduce)
     args = model_args(inputs, launch.device.type, attn_backend=kernels.attention)
     logger.info(f"model {cfg.model_type}: {n_params:,} parameters, {cfg.model.num_layers} layers, "
-                f"hidden {cfg.model.hidden_size}, attention {getattr(args, 'attn_backend', '-')}, dtype {cfg.model.dtype}; "
+                f"hidden {cfg.model.hidden_size}, attention {kernels.attention}, dtype {cfg.model.dtype}; "
                 f"layout {dims.describe()} on {launch.world_size} process(es), {launch.device}")
     return model, pipeline, args
 

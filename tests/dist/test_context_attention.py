@@ -110,8 +110,9 @@ def check_attention(ctx, layout: str, hkv: int, tag: str, device=None, checkpoin
     assert sent["layout"] == B * (T // C) * 8 * (C - 1), (tag, sent)
 
 
-def check_model(ctx) -> None:
-    """The InternLM Transformer on its zigzag chunks under set_context_parallel equals the model on whole rows."""
+def check_model(ctx, window=None) -> None:
+    """The InternLM Transformer on its zigzag chunks under set_context_parallel equals the model on whole rows
+    (`window`: model.sliding_window, keys per query)."""
     import copy
 
     import torch
@@ -121,12 +122,12 @@ def check_model(ctx) -> None:
     C, B, T = ctx.size, 2, 32
     torch.manual_seed(0)
     args = ModelArgs(vocab_size=64, hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2, ffn_width=48,
-                     max_seqlen=T, attn_backend="cpu_blocked", init_std=0.1)
+                     max_seqlen=T, attn_backend="cpu_blocked", init_std=0.1, sliding_window=window)
     whole = Transformer(args)
     part = copy.deepcopy(whole)
     set_context_parallel(part, ctx)
     ids = torch.randint(0, 64, (B, T), generator=torch.Generator().manual_seed(3))
-    doc = documents("short", B, T, seed=5)
+    doc = documents("short" if window is None else "long", B, T, seed=5)
     pos = _positions(doc)
     logits = whole(ids, pos, document_ids=doc)
     (logits ** 2).sum().backward()
@@ -172,6 +173,8 @@ def main(nproc: int) -> None:
         check_attention(ctx, "long", 2, tag + " window 11", window=11)  # a sliding window (Mistral)
     if nproc == 2:
         check_model(contexts[0])
+        for ctx in contexts:  # a sliding window (Mistral) shorter than the documents, through the model
+            check_model(ctx, window=5)
         for ctx in contexts:
             check_attention(ctx, "short", 2, f"{ctx.mode} checkpointed", checkpointed=True)
         from tests.helpers.device_audit import audit_devices

@@ -67,12 +67,10 @@ def test_stop_is_prompt_and_callback_wiring():
 
 
 def test_build_from_config():
-    class Cfg:
-        hang_timeout = 0.0
+    from internlm_core.config.schema import MonitorConfig
 
-    assert build_watchdog(Cfg()) is None
-    Cfg.hang_timeout = 120
-    wd = build_watchdog(Cfg(), rank=2)
+    assert build_watchdog(MonitorConfig(hang_timeout=0.0)) is None
+    wd = build_watchdog(MonitorConfig(hang_timeout=120), rank=2)
     assert wd.timeout == 120 and wd.rank == 2
     with pytest.raises(ValueError, match="expected > 0 seconds"):
         HangWatchdog(0)

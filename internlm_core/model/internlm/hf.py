@@ -107,7 +107,7 @@ def rope_config(m: Any, seq_len: int) -> dict:
     """config.json's rotary keys of `model` (rope_base, rope_scaling): rope_theta, transformers 5's
     rope_parameters, transformers 4's rope_scaling, and max_position_embeddings (dynamic NTK scales beyond it, so
     it is the original length there; the training length otherwise)."""
-    kind = rope_scaling_kind(getattr(m, "rope_scaling", None))
+    kind = rope_scaling_kind(m.rope_scaling)
     extra = {k: m.rope_scaling[k] for k in _ROPE_EXTRA.get(kind, ())}
     length = seq_len
     if kind == "dynamic":
@@ -143,8 +143,9 @@ def refuse_options(m: Any, hf_class: str, allowed: tuple[str, ...] = ()) -> None
     """CheckpointError for the shared block's options `hf_class` cannot hold (all but `allowed` of qk_norm,
     sliding_window)."""
     for key in ("qk_norm", "sliding_window"):
-        if key not in allowed and getattr(m, key, None):
-            raise CheckpointError(f"model.{key}={getattr(m, key)!r}: {hf_class} has no such option; export a "
+        value = getattr(m, key)  # the typed field named by `key`
+        if key not in allowed and value:
+            raise CheckpointError(f"model.{key}={value!r}: {hf_class} has no such option; export a "
                                   f"family whose Hugging Face class has it (QWEN3 for qk_norm, MISTRAL for "
                                   f"sliding_window)")
 
@@ -181,7 +182,7 @@ def llama_config(cfg: Any, torch_dtype: str = "float32",
 
 def head_dim(m: Any) -> int:
     """Channels per head of `model` (model.head_dim, default hidden_size / num_attention_heads)."""
-    return int(getattr(m, "head_dim", None) or m.hidden_size // m.num_attention_heads)
+    return int(m.head_dim or m.hidden_size // m.num_attention_heads)
 
 
 def internlm_config(cfg: Any, torch_dtype: str = "float32",

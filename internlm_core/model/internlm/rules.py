@@ -13,7 +13,7 @@ from ..spec import ModelInputs
 def validate_transformer(inputs: ModelInputs, grouped_query: bool) -> None:
     """Shape rules of the transformer (heads, rotary, norms) and of its tensor/pipeline parallel plan."""
     m, p = inputs.model, inputs.parallel
-    head_dim = getattr(m, "head_dim", None)
+    head_dim = m.head_dim
     if head_dim is None and m.hidden_size % m.num_attention_heads:
         raise ConfigError(f"model.num_attention_heads ({m.num_attention_heads}) must divide model.hidden_size "
                           f"({m.hidden_size}): each head gets hidden_size / num_attention_heads channels "
@@ -86,12 +86,9 @@ def validate_rope_scaling(scaling: Any) -> None:
 def validate_block_options(inputs: ModelInputs) -> None:
     """The shared block's options (model.rope_scaling, model.sliding_window, model.qk_norm)."""
     m = inputs.model
-    validate_rope_scaling(getattr(m, "rope_scaling", None))
-    window = getattr(m, "sliding_window", None)
+    validate_rope_scaling(m.rope_scaling)
+    window = m.sliding_window
     if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
         raise ConfigError(f"model.sliding_window: expected None or an int >= 1 (keys per query), got {window!r}")
-    if window is not None and int(getattr(inputs.parallel, "context", 1) or 1) > 1:
-        raise ConfigError("model.sliding_window: not supported with context parallel (parallel.context > 1): "
-                          "the context-parallel attention has no window")
-    if not isinstance(getattr(m, "qk_norm", None), (bool, type(None))):
+    if not isinstance(m.qk_norm, (bool, type(None))):
         raise ConfigError(f"model.qk_norm: expected True or False, got {m.qk_norm!r}")

@@ -18,7 +18,7 @@ from ..spec import StateDictAdapter
 
 def window_config(m: Any) -> dict:
     """Qwen's window keys of `model.sliding_window` (every layer or none)."""
-    w = getattr(m, "sliding_window", None)
+    w = m.sliding_window
     return {"use_sliding_window": bool(w), "sliding_window": w, "max_window_layers": 0 if w else m.num_layers}
 
 
