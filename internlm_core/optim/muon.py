@@ -29,7 +29,7 @@ from typing import Iterable, Sequence
 
 import torch
 from torch.distributed.tensor import DTensor, distribute_tensor
-from torch.distributed.tensor.placement_types import Shard
+from torch.distributed.tensor.placement_types import Shard, _StridedShard
 
 NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -58,10 +58,11 @@ def newton_schulz(g: torch.Tensor, coefficients: Sequence[float] = NS_COEFFICIEN
 
 
 def matrices_are_cut(t: torch.Tensor) -> bool:
-    """A DTensor with a Shard placement on one of its last two dims: its local part holds pieces of matrices."""
+    """A DTensor with a Shard placement (or FSDP2's _StridedShard, under tensor parallel) on one of its last two dims:
+    its local part holds pieces of matrices."""
     if not isinstance(t, DTensor):
         return False
-    return any(isinstance(pl, Shard) and pl.dim % t.dim() >= t.dim() - 2 for pl in t.placements)
+    return any(isinstance(pl, (Shard, _StridedShard)) and pl.dim % t.dim() >= t.dim() - 2 for pl in t.placements)
 
 
 def orthogonalize(u: torch.Tensor, **ns) -> torch.Tensor:

@@ -30,6 +30,16 @@ def test_muon_fsdp_tp_ep_equal_one_process():
             print(line)
 
 
+def test_muon_fsdp2_over_tp2_equals_one_process():
+    """4 ranks: tensor parallel 2 inside FSDP2 2 (the weights' placements on the 2-D mesh, FSDP2's _StridedShard
+    where both cut the same dim)."""
+    from tests.helpers import warm
+    p = warm.run(str(ROOT / "tests/dist/test_muon_dist.py"), ["dp2_tp2"], env(), ROOT, timeout=300, nproc=4)
+    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-3000:]
+    assert p.stdout.count(": ok") == 4, p.stdout
+    print("\n".join(line for line in p.stdout.splitlines() if line.startswith("rank 0 ")))
+
+
 def toy():
     import torch
     import torch.nn as nn
@@ -88,7 +98,10 @@ def layout(name: str, mesh):
     from torch.distributed.tensor import Shard, distribute_tensor
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
     model = toy()
-    if name == "fsdp2":
+    if name == "dp2_tp2":  # mesh 2 x 2 ("dp", "tp"): tensor parallel first, then FSDP2 over dp
+        parallelize_module(model, mesh["tp"], {"up": ColwiseParallel(), "down": RowwiseParallel()})
+        fully_shard(model, mesh=mesh["dp"])
+    elif name == "fsdp2":
         fully_shard(model, mesh=mesh, reshard_after_forward=True)
     elif name == "tp2":
         parallelize_module(model, mesh, {"up": ColwiseParallel(), "down": RowwiseParallel()})
@@ -164,6 +177,7 @@ def resume_across_layouts(mesh, ref_states: dict, folder: str) -> list:
 
 
 def main() -> None:
+    import sys
     import tempfile
 
     import torch.distributed as dist
@@ -172,8 +186,17 @@ def main() -> None:
     from internlm_core.optim.muon import matrices_are_cut
     dist.init_process_group("gloo")
     rank = dist.get_rank()
-    mesh = init_device_mesh("cpu", (2,))
     ref = reference()
+    if sys.argv[1:] == ["dp2_tp2"]:
+        model = layout("dp2_tp2", init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp")))
+        placements = {n: p.placements for n, p in model.named_parameters() if n in HIDDEN[:2]}
+        diffs = []
+        run_steps(model, muon_of(model), 0, STEPS, ref, diffs)
+        print(f"rank {rank} dp2_tp2: max |w - w_one_process| over {STEPS} steps {max(diffs):.3g} ({placements})")
+        assert max(diffs) <= TOL, diffs
+        print(f"rank {rank}: ok")
+        return
+    mesh = init_device_mesh("cpu", (2,))
     for name in ("fsdp2", "tp2", "ep2"):
         model = layout(name, mesh)
         cut = sorted(n for n, p in model.named_parameters() if matrices_are_cut(p) and n in HIDDEN)
