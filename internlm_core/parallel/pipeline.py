@@ -23,7 +23,7 @@ from torch.distributed.tensor import DTensor, Shard
 
 from ..errors import ConfigError
 from ..model import ParallelPlan, document_ids_from_cu_seqlens
-from ..utils import collectives
+from ..utils import collectives, torch_compat
 
 
 def split_model(model: nn.Module, plan: ParallelPlan, pp_rank: int, pp_size: int, num_chunks: int
@@ -99,7 +99,7 @@ class _Stage(PipelineStage):
 class _StaticStage(_Stage):
     """A stage of a simulated job: every stage has static shapes (`stage_io`), so the outcome of torch's warm-up
     vote (each stage votes static or dynamic; the product travels over point-to-point sends that fake peers never
-    deliver) is known: static."""
+    deliver) is known: static. Used only where torch holds that vote (`torch_compat.pipeline_warmup_vote`)."""
 
     def _warmup_backward_result(self, received_result=None):  # torch 2.13's vote (schedules._warmup_p2p)
         return torch.ones(1, dtype=torch.int64)
@@ -122,7 +122,9 @@ class PipelineParallel:
         self.group, self.device = group, device
         self.pp_size = dist.get_world_size(group)
         self.micro_num = micro_num
-        stage_cls = _Stage if stage_io is None else _StaticStage
+        # a simulated job answers torch's warm-up vote itself where torch holds one (2.13); 2.11 holds none, and 2.15
+        # decides from the static shapes without one on a fake backend (utils/torch_compat.py)
+        stage_cls = _StaticStage if stage_io is not None and torch_compat.pipeline_warmup_vote() else _Stage
         self.stages = [stage_cls(c, s, num_stages, device, group=group, **_static(stage_io, s))
                        for c, s in zip(chunks, stage_ids)]
         for stage in self.stages:
@@ -136,9 +138,6 @@ class PipelineParallel:
                                   f"{len(chunks)}, parallel.pipeline {self.pp_size}) needs micro_num divisible by "
                                   f"max(1, micro_num // pipeline) = {rounds}")
             self.schedule = ScheduleInterleaved1F1B(self.stages, micro_num, loss_fn=self._loss, scale_grads=True)
-        if stage_io is not None and not hasattr(PipelineStage, "_warmup_backward_result"):
-            raise RuntimeError(f"torch {torch.__version__}: PipelineStage has no warm-up vote to settle for a "
-                               f"simulated job; update internlm_core/parallel/pipeline.py for this version")
         if not any(hasattr(self.schedule, f) for f in _INIT_FLAGS):
             raise RuntimeError(f"torch {torch.__version__}: pipeline schedule has none of {_INIT_FLAGS}; "
                                f"update internlm_core/parallel/pipeline.py for this version")

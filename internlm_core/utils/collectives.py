@@ -124,16 +124,19 @@ def all_gather(tensor_list: list[torch.Tensor], tensor: torch.Tensor, group: Gro
 
 
 def all_gather_single(output: torch.Tensor, input: torch.Tensor, group: Group = None, async_op: bool = False) -> Any:
-    """`dist.all_gather_single` (FSDP's all-gather), after the placement check."""
+    """`dist.all_gather_into_tensor` (FSDP's all-gather), after the placement check. Every supported torch has
+    that name (2.13 added `all_gather_single` as its new name and keeps this one as an alias; 2.11 has only this
+    one): tests/unit/test_torch_api.py checks it against 2.11's and the newest's sources."""
     out, inp = _checked("all_gather_single", [output, input], group)
-    return dist.all_gather_single(out, inp, group=group, async_op=async_op)
+    return dist.all_gather_into_tensor(out, inp, group=group, async_op=async_op)
 
 
 def reduce_scatter_single(output: torch.Tensor, input: torch.Tensor, group: Group = None,
                           op: Any = dist.ReduceOp.SUM, async_op: bool = False) -> Any:
-    """`dist.reduce_scatter_single` (FSDP's reduce-scatter), after the placement check."""
+    """`dist.reduce_scatter_tensor` (FSDP's reduce-scatter), after the placement check; the name every supported
+    torch has (2.13's `reduce_scatter_single` is not in 2.11)."""
     out, inp = _checked("reduce_scatter_single", [output, input], group)
-    return dist.reduce_scatter_single(output=out, input=inp, group=group, op=op, async_op=async_op)
+    return dist.reduce_scatter_tensor(out, inp, op=op, group=group, async_op=async_op)
 
 
 def all_to_all_single(output: torch.Tensor, input: torch.Tensor, output_split_sizes: Optional[list[int]] = None,
