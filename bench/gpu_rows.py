@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 
 ROOT = Path(__file__).resolve().parents[1]
-SUPPORTED_TORCH = ((2, 11), (2, 13))  # requirements.txt and README state the same range
+SUPPORTED_TORCH = ((2, 11), (2, 15))  # requirements.txt and README state the same range
 CUDA = torch.device("cuda", 0)
 
 
@@ -157,6 +157,18 @@ def row_environment(out: Path):
     ok = low <= version <= high
     return ok, f"{name}, torch {torch.__version__}, CUDA {torch.version.cuda}", \
         f"supported torch {low[0]}.{low[1]}-{high[0]}.{high[1]}" + ("" if ok else ": OUTSIDE the supported range")
+
+
+def row_torch_api(out: Path):
+    """Every torch name the code uses (tools/torch_api_names.py's scan) resolves in the torch installed here: the
+    runtime side of tests/unit/test_torch_api.py, which checks them against the supported versions' sources."""
+    sys.path.insert(0, str(ROOT / "tools"))
+    import torch_api_names
+    uses = torch_api_names.package_uses()
+    found = torch_api_names.missing_installed(uses)
+    (out / "torch_api_missing.txt").write_text("".join(f"{line}\n" for line in found))
+    return not found, f"{len({u.chain for u in uses})} names, {len(found)} missing in torch {torch.__version__}", \
+        (f"first: {found[0]} (all: torch_api_missing.txt)" if found else "each one imported or looked up")
 
 
 def row_kernels(out: Path):
@@ -369,6 +381,7 @@ ROWS = [
     Row("flash-attn cross entropy bf16/fp16", row_flash_cross_entropy, 30, when="flash_attn"),
     Row("apex FusedAdam (step, zero_grad, resume)", row_apex, 20, when="apex"),
     Row("device and torch version", row_environment, 5),
+    Row("torch names the code uses, in this torch", row_torch_api, 40),
     Row("init on the GPU equals the CPU (4096x4096)", row_init, 20),
     Row("NCCL: a non-last stage's step collectives", row_nccl_stage, 30),
     Row("trainer bf16, micro_num 2, sync debug", row_train_bf16, 45),

@@ -4,10 +4,11 @@
 #   bash tools/gpu_check.sh [out-dir]            run it (PY=python3 by default: the machine's own Python and torch)
 #   bash tools/gpu_check.sh --dry-run [out-dir]  list every row, run none (exit status 2: unproven)
 #
-# Nothing is installed: the check runs with the torch that is there (supported: 2.11-2.13, see requirements.txt) and
+# Nothing is installed: the check runs with the torch that is there (supported: 2.11-2.15, see requirements.txt) and
 # the packages of requirements.txt. The rows (bench/gpu_rows.py, in this order): flash-attn's attention and cross
 # entropy and apex's FusedAdam first, only where importable (absent elsewhere, not promised); the device and torch
-# version; the counter-based init on the GPU against the CPU; a one-rank NCCL group running a non-last pipeline
+# version; every torch name the code uses (tools/torch_api_names.py) looked up in that torch; the counter-based
+# init on the GPU against the CPU; a one-rank NCCL group running a non-last pipeline
 # stage's per-step collectives (and refusing a host tensor); real trainer steps in bf16, fp16 and fp32 with
 # micro_num 2 under torch.cuda.set_sync_debug_mode("warn") (no host sync inside the micro-batch loop); one async
 # save and resume on CUDA; the CUDA allocator's peak (allocated, reserved) beside estimate(device="cuda");
