@@ -169,7 +169,8 @@ def _copy_into(dst: torch.Tensor, full: torch.Tensor, name: str) -> None:
     local.copy_(part)
 
 
-def load_full_state(model: torch.nn.Module, read: Reader, where: str, strict: bool = True) -> list[str]:
+def load_full_state(model: torch.nn.Module, read: Reader, where: str, strict: bool = True,
+                    check: Optional[Callable[[dict[str, torch.Tensor]], str]] = None) -> list[str]:
     """Fill `model` (plain, FSDP2 / tensor / expert parallel, one pipeline stage, or any mix) from full
     (unsharded) tensors; returns the names this rank loaded.
 
@@ -178,12 +179,25 @@ def load_full_state(model: torch.nn.Module, read: Reader, where: str, strict: bo
     (`batches`). In a job, rank 0 alone reads, for the names of every rank (each pipeline stage its own layers),
     and broadcasts each tensor in turn over the default group; every rank keeps its own shard of the tensors its
     model holds. Memory: rank 0 holds one layer of the source, every rank one full tensor at a time.
+    `check(every name's meta)`, on the reading rank before anything is read: a problem ("" for none) that every
+    rank raises (e.g. tensors of the source that no name reads).
     """
     target = model.state_dict()
     shared = collectives.dist_ready() and dist.get_world_size() > 1
     metas = _global_metas(target, shared)
     reader = not shared or dist.get_rank() == 0
     device = collectives.group_device() if shared else None
+    if check is not None:
+        verdict: list[Any] = [""]
+        if reader:
+            try:
+                verdict[0] = check(metas)
+            except CheckpointError as e:  # every rank raises it
+                verdict[0] = str(e)
+        if shared:
+            collectives.broadcast_object_list(verdict, src=0)
+        if verdict[0]:
+            raise CheckpointError(verdict[0])
     loaded: list[str] = []
     with torch.no_grad():
         for names in batches(metas):

@@ -23,10 +23,11 @@ from typing import Any, Callable, Mapping, Optional
 import torch
 
 from ..errors import CheckpointError
+from ..model.foreign_keys import args_value, differences
 from ..model.spec import StateDictAdapter, get_model_spec, model_types
 from ..numerics.precision import resolve_precision
 from .catalog import checkpoint_config, local_checkpoint
-from .foreign import check_model_keys, context, find_adapter, groups, load_full_state
+from .foreign import context, find_adapter, groups, load_full_state
 from .safe_dcp import SafeFileSystemReader, SafeLoadPlanner, read_dcp_metadata
 from .safetensors_io import hf_safetensors_files, parse_size, read_hf_tensors, read_json, write_safetensors_shards
 from .tokenizer_export import write_tokenizer_files
@@ -75,39 +76,71 @@ def config_from_hf(hf_dir: str | os.PathLike, model_type: Optional[str] = None) 
     return adapter.config_from_foreign(c, str(Path(hf_dir) / "config.json"))  # type: ignore[misc, call-arg]
 
 
+HARMLESS = (".rotary_emb.inv_freq",)  # buffers older transformers saved: recomputed from rope_theta on both sides
+
+
+def check_hf_model(args: Any, keys: Mapping[str, Any], c: Mapping[str, Any], where: str,
+                   keep: tuple[str, ...] = ()) -> None:
+    """CheckpointError (one line naming both sides) when a built model (its ModelArgs) differs from the folder's
+    config.json in any key the family's adapter reads (`keys`: shape, numerics, windows, routing), but the dotted
+    config keys in `keep` (ckpt.load_ckpt_info.keep_run_keys)."""
+    arch = (c.get("architectures") or [""])[0]
+    diff = differences(keys, lambda k: args_value(k, args), c, arch, keep)
+    if diff:
+        raise CheckpointError(f"{where}: the model differs from the folder's config.json: "
+                              f"{'; '.join(d for _, d in diff)} (build it from internlm_core.checkpoint.hf."
+                              f"config_from_hf, or name the key in ckpt.load_ckpt_info.keep_run_keys)")
+
+
 def load_hf(model: torch.nn.Module, hf_dir: str | os.PathLike, model_type: Optional[str] = None,
-            strict: bool = True) -> list[str]:
+            strict: bool = True, keep: tuple[str, ...] = ()) -> list[str]:
     """Load a Hugging Face folder (safetensors) into our built `model`; returns the parameter names loaded.
 
-    The folder's class picks the adapter (of `model_type`'s family when given). The model's shape must match the
-    folder's config.json; only the tensors the model (all ranks together) holds are read.
+    The folder's class picks the adapter (of `model_type`'s family when given). The model must be the folder's:
+    every key of config.json the model depends on equal (`check_hf_model`; `keep`: dotted config keys whose run
+    value is kept on purpose), and every tensor of the folder read (a tensor nothing reads is refused, naming it).
     """
     adapter, c = hf_adapter(hf_dir, model_type)
-    keys = adapter.config_from_foreign(c, str(Path(hf_dir) / "config.json"))  # type: ignore[misc, call-arg]
+    where = str(Path(hf_dir) / "config.json")
+    keys = adapter.config_from_foreign(c, where)  # type: ignore[misc, call-arg]
     args = getattr(model, "args", None)
     if args is not None:
-        check_model_keys(args, keys, str(hf_dir), "the Hugging Face config",
-                         "set these model keys (internlm_core.checkpoint.hf.config_from_hf reads them)")
+        check_hf_model(args, keys, c, where, tuple(keep))
     ctx = context(args)
     state: dict[str, Any] = {}  # the folder's tensor index, read once (on the reading rank)
 
-    def read(metas: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        if "available" not in state:
-            state["available"] = hf_safetensors_files(hf_dir)
-        available = state["available"]
+    def names_of(metas: dict[str, torch.Tensor]) -> list[str]:
         wanted: list[str] = []
         for group in groups(metas).values():
             foreign = adapter.to_foreign({n: metas[n] for n in group}, ctx)
             wanted.extend(f for f in foreign if f not in wanted)
-        missing = [f for f in wanted if f not in available]
+        return wanted
+
+    def available() -> Mapping[str, Any]:
+        if "available" not in state:
+            state["available"] = hf_safetensors_files(hf_dir)
+        return state["available"]
+
+    def unread(metas: dict[str, torch.Tensor]) -> str:
+        wanted = set(names_of(metas))
+        left = [f for f in available() if f not in wanted and not f.endswith(HARMLESS)]
+        if not left:
+            return ""
+        return (f"{hf_dir}: {len(left)} tensor(s) of the folder that nothing in the {model_type or 'built'} model "
+                f"reads: {', '.join(left[:4])}{', ...' if len(left) > 4 else ''} (loading without them gives "
+                f"another model than the folder's)")
+
+    def read(metas: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        wanted = names_of(metas)
+        missing = [f for f in wanted if f not in available()]
         if missing and strict:
             raise CheckpointError(f"{hf_dir}: missing {len(missing)} tensor(s) the model needs, e.g. "
                                   f"{', '.join(missing[:3])}")
-        tensors = read_hf_tensors(hf_dir, [f for f in wanted if f in available])
+        tensors = read_hf_tensors(hf_dir, [f for f in wanted if f in available()])
         ours = adapter.from_foreign(tensors, ctx)
         return {k: v for k, v in ours.items() if k in metas}
 
-    return load_full_state(model, read, str(hf_dir), strict=strict)
+    return load_full_state(model, read, str(hf_dir), strict=strict, check=unread if strict else None)
 
 
 load_hf_llama = load_hf  # the name ckpt_type "hf_llama" had; any supported HF class loads

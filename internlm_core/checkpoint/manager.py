@@ -354,7 +354,9 @@ class CheckpointManager:
         if self.state.model is None:
             raise CheckpointError("no model registered with the checkpoint manager")
         t0 = time.perf_counter()
-        loaded = fn(self.state.model, folder, self.model_type)
+        info = self.cfg.load_ckpt_info
+        keep = tuple(info.keep_run_keys) if ckpt_type in ("hf", "hf_llama") and info is not None else ()
+        loaded = fn(self.state.model, folder, self.model_type, **({"keep": keep} if keep else {}))
         self.loaded = LoadResult(storage.url, 0, ("model",), True)
         if self.rank == 0:
             asked = [c for c in parts if c != "model"]

@@ -41,15 +41,20 @@ class CompatNotes:
 
     compat: list[str] = field(default_factory=list)
     mapped: list[str] = field(default_factory=list)
+    adopted: list[str] = field(default_factory=list)  # keys a Hugging Face folder set (config/hf_folder.py)
 
     def lines(self) -> list[str]:
-        """At most two log lines: the compatibility-only keys, then the translations."""
+        """At most three log lines: the compatibility-only keys, the translations, the keys taken from the
+        Hugging Face folder load_ckpt_info loads."""
         out = []
         if self.compat:
             out.append("config keys kept for compatibility only (no effect here, see README 'Coming from InternLM "
                        "or InternEvo'): " + ", ".join(self.compat))
         if self.mapped:
             out.append("config forms of InternLM/InternEvo mapped: " + "; ".join(self.mapped))
+        if self.adopted:
+            out.append("model keys left at their defaults, taken from the Hugging Face folder's config.json: "
+                       + "; ".join(self.adopted))
         return out
 
 

@@ -22,6 +22,7 @@ from .ckpt_names import CKPT_TYPE_ALIASES, CKPT_TYPES, CONTENTS
 from .compat import normalize
 from .context import check_context
 from .fault_tolerance import check_fault_tolerance
+from .hf_folder import adopt_hf_folder, explicit_keys
 from .schema import TRACKERS, Config, DataConfig, LoadCkptInfo
 
 _DTYPES = {
@@ -202,6 +203,7 @@ def build_config(raw: dict, source: str = "config", world_size: int | None = Non
     cfg.compat_notes = notes
     try:
         fill_defaults(cfg)
+        adopt_hf_folder(cfg, explicit_keys(raw))  # a Hugging Face folder to load defines the model
         fit_zero1_to_world(cfg, world_size)
         check_consistency(cfg, world_size)
     except ConfigError as e:

@@ -257,6 +257,7 @@ class LoadCkptInfo:
     path: Optional[str] = f(None, "Checkpoint folder or URL to load.")
     content: tuple = f(None, f"What to load: any of {', '.join(CONTENTS)}, or all.", factory=lambda: ("all",))
     ckpt_type: str = f("internlm_core", "Format: internlm_core (our DCP checkpoints), internlm (InternLM's / InternEvo's own folders of model_tp{t}_pp{p}.pt; also internevo, internlm_test, internlm2_test), hf or hf_llama (a Hugging Face folder, safetensors or pytorch_model*.bin: LlamaForCausalLM, InternLMForCausalLM, InternLM2ForCausalLM, ...), llama (Meta's original Llama folder: params.json, consolidated.NN.pth; InternEvo's LLAMA; also meta). Other formats load the model only, into any layout.")
+    keep_run_keys: tuple = f(None, "ckpt_type hf: config keys (model.rope_base, moe.top_k, ...) whose value in this config is kept where the folder's config.json says otherwise (continued pretraining with another rope base, say); any other key the config sets to another value than config.json is refused, and keys left at their defaults take the folder's values (README 'Hugging Face interchange').", factory=tuple)
 
 
 @dataclass

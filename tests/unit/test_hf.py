@@ -215,8 +215,8 @@ def test_import_checks_config_and_missing_tensors(tmp_path):
     sets = [f"model.{k}={v}" for k, v in keys.items() if k != "num_layers"]
     model = build_model(load_config("configs/tiny.py", ["model_type=LLAMA", "data.seq_len=64", "model.num_layers=3",
                                                         *sets]))
-    with pytest.raises(CheckpointError, match=r"the model does not match the Hugging Face config \(num_layers: "
-                                              r"model 3 vs .* 2\)"):
+    with pytest.raises(CheckpointError, match=r"config.json: the model differs from the folder's config.json: "
+                                              r"num_hidden_layers=2 vs model.num_layers=3 \(build it from"):
         load_hf_llama(model, tmp_path)
     index = tmp_path / "model.safetensors.index.json"
     data = json.loads(index.read_text())

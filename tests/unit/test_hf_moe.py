@@ -65,7 +65,7 @@ def test_import_logits_equal_transformers(tmp_path):
     keys = config_from_hf(tmp_path)
     assert keys["num_experts"] == 6 and keys["top_k"] == 3 and keys["moe_type"] == "Dropless"
     cfg = load_config("configs/tiny.py", ["model_type=MIXTRAL", "data.seq_len=64", "model.dtype=torch.float32",
-                                          *[f"model.{k}={v}" for k, v in keys.items()]])
+                                          *[f"{k if '.' in k else 'model.' + k}={v!r}" for k, v in keys.items()]])
     assert cfg.moe.top_k == 3  # model.top_k is InternEvo's spelling of moe.top_k
     model = build_model(cfg)
     loaded = load_hf(model, tmp_path)

@@ -218,13 +218,13 @@ def _shape_keys(c: Mapping, where: str) -> dict:
     if c.get("hidden_act", "silu") != "silu":
         raise CheckpointError(f"{where}: hidden_act {c.get('hidden_act')!r}; internlm-core's FFN is SwiGLU (silu)")
     dim = c.get("head_dim")
-    out = {"head_dim": int(dim)} if dim is not None and int(dim) * heads != hidden else {}  # Qwen3's 128 at any width
-    return {**out,
+    return {"head_dim": int(dim) if dim is not None else hidden // heads,  # Qwen3's 128 at any width
         "num_layers": int(_get(c, "num_hidden_layers", where)), "hidden_size": hidden,
         "num_attention_heads": heads, "num_kv_attention_heads": int(c.get("num_key_value_heads") or heads),
         "vocab_size": int(_get(c, "vocab_size", where)), "intermediate_size": int(_get(c, "intermediate_size", where)),
         "layer_norm_epsilon": float(c.get("rms_norm_eps", 1e-6)),
         "tie_word_embeddings": bool(c.get("tie_word_embeddings", False)),
+        "qk_norm": False, "sliding_window": None,  # the Llama block's; the families that have them say otherwise
     }
 
 

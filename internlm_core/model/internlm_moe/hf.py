@@ -20,7 +20,7 @@ from typing import Any, Callable, Mapping, Optional
 import torch
 
 from ...errors import CheckpointError
-from ..internlm.hf import _common_config, config_from_llama, llama_from_hf, llama_to_hf, refuse_options
+from ..internlm.hf import _common_config, config_from_llama, head_dim, llama_from_hf, llama_to_hf, refuse_options
 from ..spec import AdapterContext, StateDictAdapter
 
 _OURS_MOE = re.compile(r"^layers\.(\d+)\.feed_forward\.(gate\.weight|gate\.expert_bias|experts\.w[123])$")
@@ -96,20 +96,34 @@ def mixtral_config(cfg: Any, torch_dtype: str = "float32",
     c = _common_config(cfg, torch_dtype, special_ids)
     c["intermediate_size"] = m.moe_intermediate_size or c["intermediate_size"]
     return {"architectures": ["MixtralForCausalLM"], "model_type": "mixtral", **c,
-            "head_dim": m.hidden_size // m.num_attention_heads, "num_local_experts": m.num_experts,
+            "head_dim": head_dim(m), "num_local_experts": m.num_experts,
             "num_experts_per_tok": r.top_k, "router_aux_loss_coef": cfg.moe_loss_coeff,
             "output_router_logits": False, "router_jitter_noise": 0.0, "sliding_window": m.sliding_window,
             "attention_dropout": 0.0}
 
 
 def config_from_mixtral(c: Mapping, where: str = "config.json") -> dict:
-    """Our `model` keys of a Mixtral config.json (top_k as InternEvo spells it in `model`: moe.top_k)."""
+    """Our keys of a Mixtral config.json: `model` keys (top_k as InternEvo spells it in `model`: moe.top_k; the
+    experts' width `intermediate_size` is model.moe_intermediate_size) and the routing of MixtralSparseMoeBlock
+    (`moe.*`: softmax, renormalized top-k, no noise, no expert bias). A nonzero router_jitter_noise (transformers
+    scales the whole MoE input, experts included, by U(1-j, 1+j) in training; our Jitter scales the router's input
+    by a fixed 1e-2) is refused."""
+    jitter = float(c.get("router_jitter_noise") or 0.0)
+    if jitter:
+        raise CheckpointError(f"{where}: router_jitter_noise={jitter}: Mixtral's jitter scales the experts' input "
+                              "too, which internlm-core's routers do not (moe.noisy_gate_policy Jitter scales the "
+                              "router's input by U(0.99, 1.01)); set it to 0.0 in config.json to load the folder")
     out = config_from_llama({**c, "attention_bias": False}, where)
-    if c.get("sliding_window"):
-        out["sliding_window"] = int(c["sliding_window"])
+    out["sliding_window"] = int(c["sliding_window"]) if c.get("sliding_window") else None
     out.update(num_experts=int(c.get("num_local_experts", 8)), top_k=int(c.get("num_experts_per_tok", 2)),
-               moe_type="Dropless")
+               moe_type="Dropless", moe_intermediate_size=out.pop("intermediate_size"))
+    out.update(MIXTRAL_ROUTING, **{"moe.norm_topk_prob": True})
     return out
+
+
+# the router of Mixtral's and Qwen3-MoE's HF classes, in our moe section's keys (compared on import)
+MIXTRAL_ROUTING = {"moe.score_func": "softmax", "moe.noisy_gate_policy": None, "moe.expert_bias_update_rate": 0.0,
+                   "moe_use_residual": False}
 
 
 MIXTRAL_HF = StateDictAdapter(format="hf", to_foreign=mixtral_to_hf, from_foreign=mixtral_from_hf,

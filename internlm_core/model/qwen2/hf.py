@@ -23,12 +23,15 @@ def window_config(m: Any) -> dict:
 
 
 def window_from_config(c: Mapping, where: str) -> dict:
-    """`{"sliding_window": w}` when every layer slides, {} when none does; a CheckpointError for a mix."""
-    if not c.get("use_sliding_window") or not c.get("sliding_window"):
-        return {}
+    """`{"sliding_window": w}` when every layer slides, None when none does (as transformers' Qwen2Config /
+    Qwen3Config: `layer_types`, else layers from `max_window_layers` on slide when `use_sliding_window`, so
+    max_window_layers >= num_hidden_layers means no window); a CheckpointError for a mix."""
+    window = c.get("sliding_window") if c.get("use_sliding_window") else None
     layers = int(c.get("num_hidden_layers", 0))
-    types = c.get("layer_types") or ["sliding_attention" if i >= int(c.get("max_window_layers", 0)) else
+    types = c.get("layer_types") or ["sliding_attention" if i >= int(c.get("max_window_layers", 28)) else
                                      "full_attention" for i in range(layers)]
+    if not window or all(t == "full_attention" for t in types):
+        return {"sliding_window": None}
     if any(t != "sliding_attention" for t in types):
         raise CheckpointError(f"{where}: use_sliding_window with max_window_layers={c.get('max_window_layers')}: "
                               f"the window covers some layers only; internlm-core's model.sliding_window covers "

@@ -23,7 +23,7 @@ import torch
 from ...errors import CheckpointError
 from ..args import ffn_width
 from ..internlm.hf import _common_config, head_dim, llama_to_hf, refuse_options
-from ..internlm_moe.hf import moe_from_hf
+from ..internlm_moe.hf import MIXTRAL_ROUTING, moe_from_hf
 from ..qwen2.hf import window_config
 from ..qwen3.hf import config_from_qwen3
 from ..spec import AdapterContext, StateDictAdapter
@@ -86,10 +86,14 @@ def config_from_qwen3_moe(c: Mapping, where: str = "config.json") -> dict:
         raise CheckpointError(f"{where}: decoder_sparse_step={step}, mlp_only_layers={dense_layers}: some layers "
                               "would be dense; internlm-core's MoE families make every layer sparse "
                               "(decoder_sparse_step 1, mlp_only_layers [])")
-    out = config_from_qwen3({"head_dim": None, **c}, where)  # Qwen3MoeConfig's head_dim: width / heads
+    # Qwen3MoeConfig's head_dim default: width / heads; Qwen3MoeAttention windows every layer when
+    # use_sliding_window (max_window_layers is not read)
+    out = config_from_qwen3({"head_dim": None, **c, "max_window_layers": 0, "layer_types": None}, where)
+    del out["intermediate_size"]  # the dense width of mlp_only_layers, which are refused above
     out.update(num_experts=int(_need({"num_experts": c.get("num_local_experts"), **c}, "num_experts", where)), top_k=int(c.get("num_experts_per_tok", 8)),
                moe_type="Dropless", moe_intermediate_size=int(_need(c, "moe_intermediate_size", where)))
     out["moe.norm_topk_prob"] = bool(c.get("norm_topk_prob", False))  # transformers' default: not renormalized
+    out.update(MIXTRAL_ROUTING)
     return out
 
 
