@@ -59,3 +59,28 @@ def test_secrets_are_redacted_everywhere_and_a_resumed_run_still_alerts(tmp_path
     assert "monitor.alert.webhook_url=<redacted>" in (run1 / "launch.json").read_text()
     assert "webhook_url: <redacted>" in (ckpt / "2" / "meta.json").read_text()
     assert (ckpt / "2" / "config.yaml").read_text() == config_text
+
+
+def test_every_tracker_gets_only_redacted_values(tmp_path):
+    """wandb and mlflow with secrets given every way (--set, the config file, the environment): none reaches any
+    file under the run, checkpoint and tracker folders, whatever a tracker captures by itself (wandb: the command
+    line, the machine, git; mlflow: parameters and tags)."""
+    set_token, file_token = "set-T0KEN-91ab2c", "file-T0KEN-4d7e0f"
+    run, ckpt, store, wandb_dir = (tmp_path / d for d in ("run", "ckpt", "mlruns", "wandb"))
+    wandb_dir.mkdir()
+    config = tmp_path / "secret_config.py"
+    config.write_text(Path("configs/tiny.py").read_text() + (
+        "monitor = dict(log_every=1, tensorboard=False, trackers=['wandb', 'mlflow'], alert=dict(\n"
+        f"    enable_feishu_alert=True, feishu_alert_address='http://127.0.0.1:9/fs?token={file_token}'))\n"))
+    p = run_train(["--config", str(config), "--run-dir", str(run), "--set", "data.total_steps=2", "data.seq_len=64",
+                   "data.valid_every=0", "ckpt.enable_save_ckpt=True", f"ckpt.save_ckpt_folder={ckpt}",
+                   f"monitor.alert.webhook_url=http://127.0.0.1:9/hook?token={set_token}"],
+                  extra_env={"WANDB_MODE": "offline", "WANDB_DIR": str(wandb_dir), "WANDB_API_KEY": ENV_SECRET,
+                             "MLFLOW_TRACKING_URI": f"file:{store}", "MLFLOW_ALLOW_FILE_STORE": "true"})
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    assert "tracker wandb: started run" in p.stdout + p.stderr and "tracker mlflow: started run" in p.stdout + p.stderr
+    assert len(list(wandb_dir.rglob("run-*.wandb"))) == 1 and any(store.rglob("meta.yaml"))
+    found = [f"{path}: {s}" for folder in (run, ckpt, store, wandb_dir) for path in folder.rglob("*")
+             if path.is_file() for s in (set_token, file_token, ENV_SECRET) if s.encode() in path.read_bytes()]
+    assert found == []
+    assert [s for s in (set_token, file_token, ENV_SECRET) if s in p.stdout + p.stderr] == []
