@@ -313,14 +313,18 @@ def row_async_resume(out: Path):
     from internlm_core.callbacks import TrainerCallback
     staging: list[str] = []
 
-    class SeeStaging(TrainerCallback):  # after the checkpoint callback: the save of this step is staged
-        def on_step_end(self, trainer, metrics):
-            stager = getattr(getattr(trainer.checkpoint_manager, "_writer", None), "_stager", None)
+    class SeeStaging(TrainerCallback):  # on_save: the save of this step is staged
+        manager = None  # the run's checkpoint manager, set once the trainer is built
+
+        def on_save(self, view, step, path):
+            stager = getattr(getattr(self.manager, "_writer", None), "_stager", None)
             if stager is not None and stager.buffer is not None:
                 staging.append(f"staging buffer {stager.buffer.numel() / 2**20:.1f} MiB, {stager.allocations} "
                                f"allocation(s), pinned {stager.pinned}")
 
-    first = _trainer(_tiny("torch.bfloat16", "data.total_steps=2", *common), out / "resume_a", [SeeStaging()])
+    see = SeeStaging()
+    first = _trainer(_tiny("torch.bfloat16", "data.total_steps=2", *common), out / "resume_a", [see])
+    see.manager = first.checkpoint_manager
     first.train()
     first.checkpoint_manager.wait()
     saved = {n: p.detach().cpu().clone() for n, p in first.model.named_parameters()}

@@ -27,7 +27,6 @@ from typing import Any, Optional
 
 import torch
 
-from ..callbacks import TrainerCallback
 from ..errors import ConfigError
 from ..utils.logging import get_logger
 from .collectives import Collectives
@@ -103,38 +102,37 @@ def _full(t: torch.Tensor) -> torch.Tensor:
     return t.full_tensor() if hasattr(t, "full_tensor") else t
 
 
-class HFExporter(TrainerCallback):
+class HFExporter:
     """Writes `<save_ckpt_folder>/hf/<step>/` every `hf_export_every` steps (see the module docstring).
 
     cfg: the run's Config (the family's adapter and config.json come from it). model: the parallelized model.
-    dest: the checkpoints' storage; tmp_root: where staged exports wait for their upload. health: the loss health
-    monitor (no export while the loss is unhealthy, as no checkpoint is saved then).
+    dest: the checkpoints' storage; tmp_root: where staged exports wait for their upload. The trainer's loop calls
+    `maybe_export` after its save decision of each step (no export while the loss is unhealthy, as no checkpoint is
+    saved then) and `wait` at the end.
     """
 
     def __init__(self, cfg: Any, model: torch.nn.Module, dest: Storage, *, rank: int, world_size: int,
-                 local_rank: int, tmp_root: Path, health: Any = None, alerts: Any = None):
+                 local_rank: int, tmp_root: Path, alerts: Any = None):
         self.cfg, self.model, self.dest, self.tmp_root = cfg, model, dest, Path(tmp_root)
         self.every = int(cfg.ckpt.hf_export_every)
-        self.health, self.alerts = health, alerts
+        self.alerts = alerts
         self.coll = Collectives(rank, world_size, local_rank)  # its own gloo group: the DCP writer uses the other
         self.plan = ShardPlan(cfg, self.coll.world_size, self.coll.rank)
         self._thread: Optional[threading.Thread] = None
         self.results: list[tuple[int, bool, str]] = []  # (step, complete, error) of every export
 
-    # ---- events ----------------------------------------------------------------------------------------------
-    def on_step_end(self, trainer: Any, metrics: dict) -> None:
-        step = int(trainer.state.batch_count)
+    # ---- the loop's calls -------------------------------------------------------------------------------------
+    def maybe_export(self, step: int, unhealthy: Optional[str] = None) -> None:
+        """Export `step` when it is a multiple of `hf_export_every`, unless the loss is unhealthy (`unhealthy`:
+        why, as the checkpointer's veto)."""
         if step % self.every:
             return
-        why = self.health.unhealthy() if self.health is not None else None
+        why = unhealthy
         if why is not None:
             if self.coll.rank == 0:
                 logger.warning("Hugging Face export at step %d skipped: %s", step, why)
             return
         self.export(step)
-
-    def on_train_end(self, trainer: Any) -> None:
-        self.wait()
 
     # ---- one export ------------------------------------------------------------------------------------------
     def export(self, step: int) -> None:
@@ -255,7 +253,7 @@ def _fsync(path: Path) -> None:
         os.fsync(f.fileno())
 
 
-def build_hf_exporter(cfg: Any, model: torch.nn.Module, manager: Any, health: Any = None) -> Optional[HFExporter]:
+def build_hf_exporter(cfg: Any, model: torch.nn.Module, manager: Any) -> Optional[HFExporter]:
     """The exporter of `ckpt.hf_export_every` (None when 0); ConfigError for what it cannot do."""
     every = int(cfg.ckpt.hf_export_every)
     if every <= 0:
@@ -267,5 +265,4 @@ def build_hf_exporter(cfg: Any, model: torch.nn.Module, manager: Any, health: An
         raise ConfigError("ckpt.hf_export_every: not with parallel.pipeline > 1 (a stage holds only its layers); "
                           "export a checkpoint with tools/convert2hf.py")
     return HFExporter(cfg, model, manager.dest, rank=manager.rank, world_size=manager.world_size,
-                      local_rank=manager.local_rank, tmp_root=manager.tmp_root / "hf", health=health,
-                      alerts=manager.alerts)
+                      local_rank=manager.local_rank, tmp_root=manager.tmp_root / "hf", alerts=manager.alerts)

@@ -1,10 +1,10 @@
 """Loss health: loss-spike alerts and the consecutive inf/nan limit.
 
     health = build_loss_health(cfg.monitor, alerts, rank)
-    callbacks.add(health)   # reads each step's metrics; raises TrainingError to stop the run
+    verdict = health.judge(metrics)   # the trainer's loop, after each step; raises TrainingError to stop the run
 
 The trainer skips the update of an inf/nan step itself and counts it in `TrainState.inf_nan_skip_batches`;
-this callback only judges the metrics record:
+this judge only reads the metrics record:
 
 * a step is *bad* when `metrics["skipped"]` is true or the loss or `grad_norm` is inf/nan. The first
   bad step of a streak alerts; after `max_consecutive_inf_nan` bad steps in a row it raises
@@ -19,18 +19,17 @@ The loss in the metrics record is the same on every rank (it is reduced before l
 raises at the same step; alerts go out from rank 0 only. `state_dict()` carries the average and the
 streak across a restart.
 
-`spike_streak` lists the steps of the current run of consecutive spiking steps (what the spike rewind acts on);
-`unhealthy()` says why a checkpoint saved now would be worse than the last one: an inf/nan streak, or (with
-`veto_spikes`, set when spikes are rewound) a spike streak.
+`spike_streak` lists the steps of the current run of consecutive spiking steps (what the spike rewind acts on;
+`forget_spikes()` after a rewind); `unhealthy(spikes)` says why a checkpoint saved now would be worse than the last
+one: an inf/nan streak, or (with `spikes`, while spikes are rewound) a spike streak.
 """
 
 from __future__ import annotations
 
 import math
-from typing import Any, Optional
+from typing import Any, Mapping, Optional
 
 from internlm_core.errors import TrainingError
-from internlm_core.callbacks import TrainerCallback
 from internlm_core.utils.logging import get_logger
 
 from .alert import AlertManager
@@ -51,7 +50,7 @@ def _finite(x: Optional[float]) -> bool:
     return x is None or math.isfinite(x)
 
 
-class LossHealthMonitor(TrainerCallback):
+class LossHealthMonitor:
     """Judges each step's loss and gradient norm (see the module docstring).
 
     Args:
@@ -83,7 +82,6 @@ class LossHealthMonitor(TrainerCallback):
         self.spikes = 0
         self._in_spike = False
         self.spike_streak: list[int] = []
-        self.veto_spikes = False
 
     def _alert(self, subject: str, content: str, level: str) -> None:
         if self.alerts is not None and self.rank == 0:
@@ -143,18 +141,24 @@ class LossHealthMonitor(TrainerCallback):
                 f"garbage: lower the learning rate, check the data, or resume from an earlier checkpoint.")
         return "inf_nan"
 
-    def unhealthy(self) -> Optional[str]:
-        """Why the state now is worse than at the last good step (None: healthy)."""
+    def unhealthy(self, spikes: bool = False) -> Optional[str]:
+        """Why the state now is worse than at the last good step (None: healthy); a spike streak counts with
+        `spikes` (the loop passes it while spikes are rewound: the rewind must find the checkpoint before them)."""
         if self.consecutive_bad:
             return (f"loss or gradient inf/nan for {self.consecutive_bad} step(s) in a row since step "
                     f"{self.first_bad_step}")
-        if self.veto_spikes and self.spike_streak:
+        if spikes and self.spike_streak:
             return f"loss spike since step {self.spike_streak[0]} ({len(self.spike_streak)} step(s))"
         return None
 
-    def on_step_end(self, trainer: Any, metrics: dict) -> None:
-        self.check(int(metrics["step"]), metrics.get("loss"), skipped=bool(metrics.get("skipped", False)),
-                   grad_norm=metrics.get("grad_norm"), inf_nan_skip_batches=metrics.get("inf_nan_skip_batches"))
+    def forget_spikes(self) -> None:
+        """A rewind went back before the streak: its steps are no longer the run's."""
+        self.spike_streak = []
+
+    def judge(self, metrics: Mapping[str, Any]) -> str:
+        """`check` on a step's metrics record ("ok", "spike" or "inf_nan"; TrainingError at the limit)."""
+        return self.check(int(metrics["step"]), metrics.get("loss"), skipped=bool(metrics.get("skipped", False)),
+                          grad_norm=metrics.get("grad_norm"), inf_nan_skip_batches=metrics.get("inf_nan_skip_batches"))
 
     def state_dict(self) -> dict:
         """Plain numbers only (nan / -1 stand for "none yet"), so any checkpoint format can hold it."""

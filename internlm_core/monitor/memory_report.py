@@ -1,7 +1,7 @@
-"""The memory report: peak memory per step and its breakdown (a trainer callback).
+"""The memory report: peak memory per step and its breakdown (an observer of the trainer's loop).
 
     mem = MemoryProfiler(run_dir, rank, device)    # when cfg.monitor.memory_report or --profiling
-    callbacks.add(mem)                             # takes trainer.model / trainer.optimizer at train start
+    callbacks.add(mem)                             # takes view.model / view.optimizer at train start
 
 Peak per step
     CUDA: `torch.cuda.max_memory_allocated` since the previous step end (the allocator's peak is reset
@@ -29,11 +29,11 @@ from __future__ import annotations
 import json
 from collections import deque
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Mapping, Optional
 
 import torch
 
-from ..callbacks import TrainerCallback
+from ..callbacks import StepView, TrainerCallback
 from ..utils.logging import get_logger
 from ..utils.memory import (fmt_bytes, gradient_bytes, local_tensor, optimizer_state_bytes, parameter_bytes,
                             process_peak_rss, process_rss, reset_peak_rss, trainable_parameter_bytes)
@@ -48,7 +48,7 @@ class MemoryProfiler(TrainerCallback):
         run_dir: where the report goes (rank 0: memory_report.*, others memory_report_rank{N}.*).
         rank: this process's rank.
         device: the training device (default: the device of the model's first parameter).
-        model, optimizer: default `trainer.model` / `trainer.optimizer` at train start.
+        model, optimizer: default `view.model` / `view.optimizer` at train start.
         write_every: also write the report every this many steps (0: only at train end), so a run
             that crashes still leaves one.
         keep_steps: per-step records kept in the report (the first 10 and the last `keep_steps`).
@@ -56,7 +56,7 @@ class MemoryProfiler(TrainerCallback):
 
     def __init__(self, run_dir: str | Path, rank: int = 0, device: Optional[torch.device] = None,
                  model: Optional[torch.nn.Module] = None, optimizer: Optional[torch.optim.Optimizer] = None,
-                 write_every: int = 50, keep_steps: int = 100):
+                 write_every: int = 50, keep_steps: int = 100, accumulated: int = 0):
         self.run_dir = Path(run_dir)
         self.rank = rank
         self.device = torch.device(device) if device is not None else None
@@ -67,7 +67,7 @@ class MemoryProfiler(TrainerCallback):
         self.last_steps: deque = deque(maxlen=keep_steps)
         self.peak_record: Optional[dict] = None
         self.overhead = 0
-        self.accumulated = 0  # unsharded gradients kept between micro-batches (see the module docstring)
+        self.accumulated = accumulated  # unsharded gradients kept between micro-batches (see the module docstring)
         self.peak_method = ""
         self._can_reset_rss = False
 
@@ -182,20 +182,17 @@ class MemoryProfiler(TrainerCallback):
         return "\n".join(lines) + "\n"
 
     # -- trainer callback ------------------------------------------------------------------------------
-    def on_train_start(self, trainer: Any) -> None:
-        self.start(getattr(trainer, "model", None), getattr(trainer, "optimizer", None))
-        kernels, dims, loop = (getattr(trainer, k, None) for k in ("kernels", "dims", "loop"))
-        if (self.model is not None and kernels is not None and kernels.grad_reduce == "step" and dims is not None
-                and dims.dp_shard_cp > 1 and loop is not None and loop.micro_num > 1):
-            self.accumulated = trainable_parameter_bytes(self.model) * (dims.dp_shard_cp - 1)
+    def on_train_start(self, view: StepView) -> None:
+        self.start(self.model if self.model is not None else view.model,
+                   self.optimizer if self.optimizer is not None else view.optimizer)
 
-    def on_step_end(self, trainer: Any, metrics: dict) -> None:
+    def on_step_end(self, view: StepView, metrics: Mapping[str, Any]) -> None:
         step = int(metrics["step"])
         self.measure(step)
         if self.write_every > 0 and (len(self.first_steps) == 1 or step % self.write_every == 0):
             self.write()
 
-    def on_train_end(self, trainer: Any) -> None:
+    def on_train_end(self, view: StepView) -> None:
         if self.peak_record is not None:
             json_path, _ = self.write()
             p = self.peak_record

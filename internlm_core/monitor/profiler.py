@@ -15,12 +15,12 @@ By default only data-parallel rank 0 with tensor rank 0 profiles (one process pe
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Mapping, Optional
 
 import torch
 from torch.profiler import ProfilerActivity, profile, schedule, tensorboard_trace_handler
 
-from ..callbacks import TrainerCallback
+from ..callbacks import StepView, TrainerCallback
 from ..utils.logging import get_logger
 
 logger = get_logger(__name__)
@@ -74,13 +74,13 @@ class TorchProfiler(TrainerCallback):
     def __exit__(self, *exc: Any) -> None:
         self.stop()
 
-    def on_train_start(self, trainer: Any) -> None:
+    def on_train_start(self, view: StepView) -> None:
         self.start()
 
-    def on_step_end(self, trainer: Any, metrics: dict) -> None:
+    def on_step_end(self, view: StepView, metrics: Mapping[str, Any]) -> None:
         self.step()
 
-    def on_train_end(self, trainer: Any) -> None:
+    def on_train_end(self, view: StepView) -> None:
         self.stop()
 
 

@@ -20,10 +20,11 @@ import json
 import os
 import time
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Mapping, Optional
 
-from internlm_core.callbacks import TrainerCallback
+from internlm_core.callbacks import StepView, TrainerCallback
 from internlm_core.utils.logging import get_logger
+from internlm_core.utils.writer import MetricsWriter
 
 from .alert import AlertManager
 
@@ -78,9 +79,11 @@ class RestartReporter(TrainerCallback):
     """
 
     def __init__(self, run_dir: str | Path, rank: int = 0, restart_count: int = 0,
-                 max_restarts: Optional[int] = None, alerts: Optional[AlertManager] = None):
+                 max_restarts: Optional[int] = None, alerts: Optional[AlertManager] = None,
+                 writer: Optional[MetricsWriter] = None):
         self.path = Path(run_dir) / "metrics.jsonl"
         self.rank, self.restart_count, self.max_restarts, self.alerts = rank, restart_count, max_restarts, alerts
+        self.writer = writer  # the run's metrics writer (the restart record goes beside the steps')
         self.previous: Optional[tuple[int, float]] = None
         self.resumed_step = 0
         self.record: Optional[dict] = None
@@ -89,11 +92,11 @@ class RestartReporter(TrainerCallback):
         if self.alerts is not None:
             self.alerts.send(subject, content, level="warning")
 
-    def on_train_start(self, trainer: Any) -> None:
+    def on_train_start(self, view: StepView) -> None:
         if self.rank != 0:
             return
         self.previous = last_train_record(self.path)
-        self.resumed_step = int(trainer.state.batch_count)
+        self.resumed_step = int(view.step)
         if self.previous is None:
             if self.restart_count:
                 logger.warning("restart %d: no step was recorded before it; training from step %d",
@@ -102,18 +105,18 @@ class RestartReporter(TrainerCallback):
         last, when = self.previous
         down = max(0.0, time.time() - when)
         retrain = max(0, last - self.resumed_step)
-        loaded = getattr(getattr(trainer, "checkpoint_manager", None), "loaded", None)
+        loaded = view.resumed_from
         self.record = {"restart": self.restart_count, "last_step": last, "steps_to_retrain": retrain,
-                       "down_s": round(down, 1), "checkpoint": getattr(loaded, "url", None),
+                       "down_s": round(down, 1), "checkpoint": loaded,
                        "time": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
         if self.max_restarts is not None:
             self.record["max_restarts"] = self.max_restarts
         _end_line(self.path)
-        if getattr(trainer, "writer", None) is not None:
-            trainer.writer.write(self.resumed_step, dict(self.record), kind="restart")
+        if self.writer is not None:
+            self.writer.write(self.resumed_step, dict(self.record), kind="restart")
         of = f" of at most {self.max_restarts}" if self.max_restarts is not None else ""
         msg = (f"restart {self.restart_count}{of}: the run stopped after step {last} {down:.0f} s ago; resumed from "
-               f"step {self.resumed_step}" + (f" ({loaded.url})" if loaded is not None else "") +
+               f"step {self.resumed_step}" + (f" ({loaded})" if loaded is not None else "") +
                (f"; steps {self.resumed_step + 1}-{last} are trained again" if retrain else ""))
         if self.restart_count or retrain:
             logger.warning(msg)
@@ -132,6 +135,6 @@ class RestartReporter(TrainerCallback):
         self._alert(f"run recovered at step {step}: {lost:.0f} s lost", msg)
         self.previous = None
 
-    def on_step_end(self, trainer: Any, metrics: dict) -> None:
+    def on_step_end(self, view: StepView, metrics: Mapping[str, Any]) -> None:
         if self.rank == 0 and self.previous is not None and int(metrics.get("step", 0)) >= self.previous[0]:
             self._caught_up(int(metrics["step"]))

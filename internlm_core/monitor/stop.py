@@ -1,15 +1,14 @@
 """Stop requests: InternLM's stop file and SIGTERM / SIGUSR1, agreed on by all ranks at the same step.
 
     stop = build_stop_controller(cfg.ckpt, rank, alerts)    # installs the signal handlers
-    callbacks.add(stop)   # before the checkpoint callback: on_step_end polls and fills trainer.stop_request
 
-or by hand, after each step (every rank: it is a collective when a process group exists):
+The trainer's loop polls it after each step (every rank: it is a collective when a process group exists):
 
     decision = stop.poll(step)          # `step`: the step number checkpoints are named by, after the step
     if decision.save: ckpt.save(step)   # then
     if decision.stop: break             # save, leave the loop, exit 0 (SLURM may requeue the job)
     ...
-    stop.close()                        # restores the previous signal handlers (on_train_end does it)
+    stop.close()                        # restores the previous signal handlers (the loop does it at the end)
 
 Stop file (InternLM's `ckpt.stop_file_path`): it holds one integer N. N < 0: save a checkpoint at step
 |N| and go on; N > 0: save at step N and stop; 0: nothing. The step must match exactly, as in InternLM
@@ -43,7 +42,6 @@ from typing import Any, Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from internlm_core.callbacks import TrainerCallback
 from internlm_core.utils import collectives
 from internlm_core.utils.logging import get_logger
 
@@ -63,8 +61,14 @@ class StopDecision:
     stop: bool = False
     reason: str = ""
 
+    def asked(self, save: bool, stop: bool, reason: str) -> "StopDecision":
+        """This decision with what else was asked of the step (a callback's `view.requests`): a stop saves too."""
+        if not (save or stop):
+            return self
+        return StopDecision(save=True, stop=self.stop or stop, reason=self.reason or reason)
 
-class StopController(TrainerCallback):
+
+class StopController:
     """Turns the stop file and signals into one `StopDecision` per step, the same on all ranks.
 
     Args:
@@ -180,23 +184,6 @@ class StopController(TrainerCallback):
         if target != step:
             return StopDecision()
         return StopDecision(save=True, stop=quit_, reason=f"stop file {self.stop_file_path}: {file_value}")
-
-
-    # -- trainer callback ------------------------------------------------------------------------------
-    def on_step_end(self, trainer: Any, metrics: dict) -> None:
-        """Poll at `metrics["step"]`; put the decision into `trainer.stop_request` (save: this step only)."""
-        d = self.poll(int(metrics["step"]))
-        req = getattr(trainer, "stop_request", None)
-        if req is None:
-            return
-        req.save = d.save
-        if d.stop:
-            req.stop = True
-        if d.save or d.stop:
-            req.reason = d.reason
-
-    def on_train_end(self, trainer: Any) -> None:
-        self.close()
 
 
 def build_stop_controller(ckpt_cfg: Any, rank: int = 0, alerts: Optional[AlertManager] = None,

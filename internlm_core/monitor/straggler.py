@@ -36,7 +36,7 @@ from typing import Any, Mapping, Optional, Sequence, Union
 import torch
 import torch.distributed as dist
 
-from internlm_core.callbacks import TrainerCallback
+from internlm_core.callbacks import StepView, TrainerCallback
 from internlm_core.utils import collectives
 from internlm_core.utils.logging import get_logger
 
@@ -177,10 +177,10 @@ class StragglerMonitor(TrainerCallback):
         self._timed: dict[str, float] = {}
         self._count = 0
 
-    def on_train_start(self, trainer: Any) -> None:
+    def on_train_start(self, view: StepView) -> None:
         self._t_last = time.perf_counter()
 
-    def on_step_end(self, trainer: Any, metrics: dict) -> None:
+    def on_step_end(self, view: StepView, metrics: Mapping[str, Any]) -> None:
         now = time.perf_counter()
         if self._t_last is not None:
             self._wall += now - self._t_last

@@ -25,9 +25,9 @@ import sys
 import threading
 import time
 import traceback
-from typing import Any, Optional
+from typing import Any, Mapping, Optional
 
-from internlm_core.callbacks import TrainerCallback
+from internlm_core.callbacks import StepView, TrainerCallback
 from internlm_core.utils.logging import get_logger
 
 from .alert import AlertManager
@@ -170,19 +170,19 @@ class HangWatchdog(TrainerCallback):
         os._exit(HANG_EXIT_CODE)
 
     # -- trainer callback ------------------------------------------------------------------------------
-    def on_train_start(self, trainer: Any) -> None:
+    def on_train_start(self, view: StepView) -> None:
         self.start()
 
-    def on_step_end(self, trainer: Any, metrics: dict) -> None:
+    def on_step_end(self, view: StepView, metrics: Mapping[str, Any]) -> None:
         self.beat(metrics.get("step"))
 
-    def on_validation_end(self, trainer: Any, metrics: dict) -> None:
+    def on_validation_end(self, view: StepView, metrics: Mapping[str, Any]) -> None:
         self.beat()
 
-    def on_save(self, trainer: Any, step: int, path: str) -> None:
+    def on_save(self, view: StepView, step: int, path: str) -> None:
         self.beat()
 
-    def on_train_end(self, trainer: Any) -> None:
+    def on_train_end(self, view: StepView) -> None:
         self.stop()
 
 

@@ -44,10 +44,6 @@ BUCKET_BYTES = 64 << 20
 _MANAGER_KEYS = ("manager_addr", "replica_id")
 
 
-class StepNotCommitted(Exception):
-    """The replica groups did not commit this step (a peer was lost during it): the loop trains it again."""
-
-
 class ReplicaGroups(Protocol):
     """The loop's view of the replica groups (None when `parallel.fault_tolerance` is off)."""
 
@@ -143,9 +139,9 @@ class TorchFTReplicas:
                                 f"{self.quorum_timeout:.0f} s): {type(e).__name__}: {e}") from None
         self._quorum_s = time.perf_counter() - t0
         self.participants = self.manager.num_participants()
-        if self.heal.healed != healed:
-            logger.info(f"replica group {self.replica_id}: healed from a live peer at step "
-                        f"{self.manager.current_step()} ({self._quorum_s:.2f} s)")
+        if self.heal.healed != healed:  # the loop logs the steps it went from and to (trainer/replicated.py)
+            logger.info(f"replica group {self.replica_id}: the heal took {self._quorum_s:.2f} s (torchft step "
+                        f"{self.manager.current_step()})")
         return self.heal.healed != healed
 
     def average_gradients(self, params: Iterable[torch.Tensor]) -> None:

@@ -23,8 +23,8 @@ from ..distributed import LaunchInfo, ParallelDims, set_deterministic, set_seed
 from ..estimate.fit import check_memory
 from ..loss import FlashGPTLMLoss
 from ..metrics import AccPerplex, Throughput
-from ..monitor import (AlertManager, MemoryProfiler, RestartReporter, build_loss_health, build_profiler,
-                       build_stop_controller, build_straggler_monitor, build_watchdog)
+from ..monitor import (AlertManager, LossHealthMonitor, MemoryProfiler, RestartReporter, build_loss_health,
+                       build_profiler, build_stop_controller, build_straggler_monitor, build_watchdog)
 from ..monitor.trackers import TrackerHub, build_trackers
 from ..model import ModelInputs, build_model, count_parameters, model_args, model_flops_per_token, model_spec
 from ..numerics import Kernels, Precision, resolve_precision, select_kernels
@@ -33,19 +33,20 @@ from ..parallel import CommCounter, family_dims, parallel_options, parallelize_m
 from ..parallel.context import ContextCut
 from ..utils import collectives
 from ..utils.logging import get_logger
-from ..utils.memory import keep_freed_cpu_memory, return_large_freed_cpu_memory
+from ..utils.memory import keep_freed_cpu_memory, return_large_freed_cpu_memory, trainable_parameter_bytes
 from ..utils.peak import device_peak_flops
 from ..utils.redact import redact_argv, redact_tree
 from ..utils.timer import Timers
 from ..utils.writer import MetricsWriter
 from ..callbacks import CallbackList, TrainerCallback
-from ..checkpoint import CheckpointCallback, CheckpointManager, RNGState, build_spike_rewind
+from ..checkpoint import CheckpointManager, Checkpointer, RNGState, build_spike_rewind
 from ..checkpoint.hf_export import build_hf_exporter
 from .evaluation import build_evaluator
 from .hooks import SchedulerMetricHook
 from .state import BatchSkipper, TrainState
-from .replicated import build_replicas, trainer_class
-from .trainer import LoopConfig, Trainer
+from .parts import LoopConfig, TrainLoader
+from .replicated import build_replicas
+from .trainer import Trainer
 
 logger = get_logger(__name__)
 
@@ -126,22 +127,26 @@ def build_data(cfg: Config, dims: ParallelDims):
     return build_train_loader(cfg.data, **train), build_valid_loaders(cfg.data, **kw)
 
 
-def build_monitors(cfg: Config, launch: LaunchInfo, dims: ParallelDims, run_dir: Path, alerts: Optional[AlertManager],
-                   profiling: bool) -> dict[str, TrainerCallback]:
-    """The monitoring callbacks by name, in firing order: the stop controller comes first so that a save it
-    requests at this step is seen by the checkpoint callback registered after it."""
+def build_observers(cfg: Config, launch: LaunchInfo, dims: ParallelDims, run_dir: Path,
+                    alerts: Optional[AlertManager], profiling: bool, model: torch.nn.Module,
+                    kernels: Kernels) -> list[TrainerCallback]:
+    """The run's monitoring observers (hang watchdog, stragglers, profiler, memory report), each only when its
+    config asks for it. Observers decide nothing: the order they are told in is this list's, nothing depends on it."""
     rank = launch.rank
-    callbacks: dict[str, Optional[TrainerCallback]] = {
-        "stop": build_stop_controller(cfg.ckpt, rank, alerts),
-        "loss_health": build_loss_health(cfg.monitor, alerts, rank),
-        "watchdog": build_watchdog(cfg.monitor, alerts, rank),
-        "straggler": build_straggler_monitor(cfg.data, rank, device=launch.device) if launch.distributed else None,
-        "profiler": build_profiler(run_dir, rank, enabled=profiling, dp_rank=dims.dp_rank, tp_rank=dims.tp_rank,
-                                   device=launch.device),
-        "memory": MemoryProfiler(run_dir, rank, launch.device) if (cfg.monitor.memory_report or profiling) else None,
-        "restart": RestartReporter(run_dir, rank, launch.restart_count, launch.max_restarts, alerts),
-    }
-    return {name: cb for name, cb in callbacks.items() if cb is not None}
+    memory = None
+    if cfg.monitor.memory_report or profiling:
+        # FSDP reducing once per step keeps the gradients unsharded between micro-batches (memory_report.py)
+        unsharded = kernels.grad_reduce == "step" and dims.dp_shard_cp > 1 and cfg.data.micro_num > 1
+        memory = MemoryProfiler(run_dir, rank, launch.device, accumulated=trainable_parameter_bytes(model)
+                                * (dims.dp_shard_cp - 1) if unsharded else 0)
+    observers = [
+        build_watchdog(cfg.monitor, alerts, rank),
+        build_straggler_monitor(cfg.data, rank, device=launch.device) if launch.distributed else None,
+        build_profiler(run_dir, rank, enabled=profiling, dp_rank=dims.dp_rank, tp_rank=dims.tp_rank,
+                       device=launch.device),
+        memory,
+    ]
+    return [cb for cb in observers if cb is not None]
 
 
 def build_checkpoint_manager(cfg: Config, parts: StatefulParts, launch: LaunchInfo, dims: ParallelDims,
@@ -177,29 +182,10 @@ class StatefulParts:
     lr_scheduler: WarmupCosineLR
     beta2_scheduler: Beta2Scheduler
     state: TrainState
-    train_loader: Any
+    train_loader: TrainLoader
     batch_skipper: BatchSkipper
-    loss_health: Optional[TrainerCallback]
+    loss_health: LossHealthMonitor
     trackers: Optional[TrackerHub] = None
-
-
-def order_callbacks(monitors: dict[str, TrainerCallback], checkpoint: CheckpointCallback,
-                    rewind: Optional[TrainerCallback], extra: list[TrainerCallback],
-                    hf_export: Optional[TrainerCallback] = None) -> CallbackList:
-    """The callbacks in their declared order (CALLBACK_ORDER): the stop controller before the checkpoint callback
-    (a save it requests at this step is taken); loss health before the checkpoint callback (no save while the loss
-    is unhealthy); the Hugging Face export (ckpt.hf_export_every) after the save it goes beside; the spike rewind
-    after both; a driver's own callbacks last (they observe the final state of each event)."""
-    named = {**monitors, "checkpoint": checkpoint, "hf_export": hf_export, "spike_rewind": rewind}
-    unknown = set(named) - set(CALLBACK_ORDER)
-    if unknown:
-        raise ValueError(f"callbacks {sorted(unknown)} have no place in CALLBACK_ORDER")
-    ordered = [named[name] for name in CALLBACK_ORDER if named.get(name) is not None]
-    return CallbackList([*ordered, *extra])
-
-
-CALLBACK_ORDER = ("stop", "loss_health", "watchdog", "straggler", "profiler", "memory", "restart", "checkpoint",
-                  "hf_export", "spike_rewind")
 
 
 def choose_cpu_allocator(device: torch.device, dims: ParallelDims, simulated: bool) -> None:
@@ -222,8 +208,9 @@ def build_trainer(cfg: Config, launch: LaunchInfo, run_dir: Path, seed: Optional
     """Assemble one run, completely, in this order: numerics and layout; model (sharded before it is materialized)
     and its pipeline; optimizer and schedules; data; the loop's instruments; monitors; the checkpoint manager with
     everything stateful registered and its lease; the resume (auto_resume / load_ckpt_info); the metrics writer
-    (after the resume: a resumed run writes on where its checkpoint says); the callbacks in their declared order.
-    The Trainer is constructed last, from finished parts."""
+    (after the resume: a resumed run writes on where its checkpoint says); the loop's deciding parts (loss health,
+    stop requests, spike rewind, checkpointer, Hugging Face export) and its observers (the monitors', then the
+    driver's `extra_callbacks`). The Trainer is constructed last, from finished parts."""
     seed = cfg.seed if seed is None else seed
     simulated = launch.launcher == "simulate"
     for line in compat_lines(cfg):  # InternLM/InternEvo keys kept for compatibility only, forms translated
@@ -250,27 +237,26 @@ def build_trainer(cfg: Config, launch: LaunchInfo, run_dir: Path, seed: Optional
     grad_scaler = build_grad_scaler(cfg, precision)
     metric_hook, throughput = build_instruments(cfg, launch, dims, kernels, precision, args, train_loader)
 
-    monitors = build_monitors(cfg, launch, dims, run_dir, alerts, profiling)
+    health = build_loss_health(cfg.monitor, alerts, launch.rank)
+    stopper = build_stop_controller(cfg.ckpt, launch.rank, alerts)  # resets the stop file; signal handlers
+    observers = build_observers(cfg, launch, dims, run_dir, alerts, profiling, model, kernels)
     trackers = None if simulated else build_trackers(cfg.monitor, cfg.JOB_NAME, config_to_dict(cfg), launch.rank,
                                                       launch.distributed, str(run_dir))
     parts = StatefulParts(model, optimizer, grad_scaler, lr_scheduler, beta2_scheduler, state, train_loader,
-                          batch_skipper, monitors.get("loss_health"), trackers)
+                          batch_skipper, health, trackers)
     ckpt = build_checkpoint_manager(cfg, parts, launch, dims, run_dir, alerts)
-    rewind = build_spike_rewind(cfg.monitor, ckpt, monitors.get("loss_health"), batch_skipper)
-    ckpt.register("spike_rewind", rewind, content="sampler", strict=False)
+    rewinder = build_spike_rewind(cfg.monitor, ckpt, health)
+    ckpt.register("spike_rewind", rewinder, content="sampler", strict=False)
     ckpt.resume()  # auto_resume / load_ckpt_info; takes the folder's lease
     if trackers is not None:
         trackers.start()  # after the resume: a resumed run continues its tracker runs
     writer = MetricsWriter(run_dir, active=launch.rank == 0 or simulated, log_every=cfg.monitor.log_every,
                            tensorboard_dir=state.tensorboard_folder if cfg.monitor.tensorboard else None,
                            sinks=[trackers] if trackers is not None else [])
-    callbacks = order_callbacks(monitors, CheckpointCallback(ckpt, health=monitors.get("loss_health")), rewind,
-                                list(extra_callbacks or []),
-                                build_hf_exporter(cfg, model, ckpt, monitors.get("loss_health")))
+    restart = RestartReporter(run_dir, launch.rank, launch.restart_count, launch.max_restarts, alerts, writer=writer)
     choose_cpu_allocator(launch.device, dims, simulated)
     logger.info(f"run folder {run_dir} on {socket.gethostname()}")
-    replicas = build_replicas(cfg, launch, ckpt, state)  # parallel.fault_tolerance: joins the quorum (None: off)
-    return trainer_class(replicas)(
+    return Trainer(
         loop=LoopConfig.from_config(cfg, dims.tp, simulated=simulated), model=model,
         family=model_spec(cfg).hooks, pipeline=pipeline,
         loss_fn=build_loss(cfg, kernels), precision=precision, kernels=kernels, optimizer=optimizer,
@@ -278,8 +264,12 @@ def build_trainer(cfg: Config, launch: LaunchInfo, run_dir: Path, seed: Optional
         train_loader=train_loader, valid_loaders=valid_loaders, batch_skipper=batch_skipper, state=state, dims=dims,
         device=launch.device, run_dir=run_dir, rank=launch.rank, world_size=launch.world_size,
         metric_hook=metric_hook, throughput=throughput,
-        comm=CommCounter.attach(model) if dims.dp_shard_cp > 1 else None,
-        writer=writer, checkpoint_manager=ckpt, callbacks=callbacks, evaluator=evaluator, context=ContextCut.of(dims))
+        comm=CommCounter.attach(model) if dims.dp_shard_cp > 1 else None, writer=writer, checkpoint_manager=ckpt,
+        health=health, stopper=stopper, checkpointer=Checkpointer(ckpt),
+        callbacks=CallbackList([*observers, restart, *(extra_callbacks or [])]), rewinder=rewinder,
+        hf_export=build_hf_exporter(cfg, model, ckpt),
+        replicas=build_replicas(cfg, launch, ckpt, state),  # parallel.fault_tolerance: joins the quorum (None: off)
+        evaluator=evaluator, context=ContextCut.of(dims))
 
 
 def build_parallel_model(inputs: ModelInputs, cfg: Config, dims: ParallelDims, launch: LaunchInfo, seed: int,

@@ -35,3 +35,12 @@ class SchedulerMetricHook:
                token_losses: Optional[torch.Tensor], predictions: Optional[torch.Tensor]) -> None:
         """One training micro-batch's outputs into the step's metric."""
         self.metric.update(logits, labels, type_ids, token_losses, predictions)
+
+    def step_metrics(self, tokens_per_type: dict) -> dict:
+        """The step's record from the instruments: training acc/ppl (per type), `tokens/<type>` (all ranks' tokens
+        of each type so far, as given) and the phase times `time/<phase>` (the timers are reset)."""
+        m = self.metric.get_metric()
+        out = {k: v for k, v in m.items() if k in ("acc", "ppl") or k.startswith("acc/")}
+        out.update({f"tokens/{k}": v for k, v in tokens_per_type.items()})
+        out.update({f"time/{k}": v for k, v in self.timers.pop().items()})
+        return out

@@ -1,28 +1,31 @@
-"""The loop of one replica group under `parallel.fault_tolerance` (torchft; parallel/fault_tolerance.py).
+"""The steps of one replica group under `parallel.fault_tolerance` (torchft; parallel/fault_tolerance.py): the
+parts of `Trainer.train` that exist only with replica groups, each called by the loop at the point torchft needs it:
 
-`ReplicatedTrainer` is the Trainer with three additions, each at the point torchft needs it:
-
-- before each batch, the step's quorum; a group that is behind heals from a live peer there (its progress, data
-  position and weights become the peer's), so the batch it then reads is the one its peers read next;
-- in the optimizer step, the gradients averaged over the groups of the quorum and the group's commit vote, before
-  clipping (every group clips the same averaged gradient); a step the groups do not commit raises
-  StepNotCommitted, which the loop answers by training the same batch again under a new quorum: the batch a lost
-  group would have read at that step is not trained by anyone (torchft commits a step with its participants);
-- the quorum's `ft/...` values in every step's metrics.
+- before each batch, `begin_step`: the step's quorum; a group that is behind heals from a live peer there (its
+  progress, data position and weights become the peer's), so the batch it then reads is the one its peers read
+  next; the heal is logged with the step it went from and to, and written as a `heal` record into metrics.jsonl;
+  it returns the `Attempt` (progress and data position before the batch) that a retry restores;
+- before the optimizer step, `commit`: the gradients averaged over the groups of the quorum and the group's commit
+  vote, before clipping (every group clips the same averaged gradient); a step the groups do not commit has its
+  gradients dropped and the loop trains the same batch again under a new quorum (`Attempt.restore`): the batch a
+  lost group would have read at that step is not trained by anyone (torchft commits a step with its participants);
+- the quorum's `ft/...` values in every step's metrics (`ReplicaGroups.step_metrics`).
 """
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator, Optional
+from typing import Any, Optional
+
+import torch
 
 from ..config import Config
 from ..distributed import LaunchInfo
-from ..parallel.fault_tolerance import HealState, ReplicaGroups, StepNotCommitted, build_replica_groups
+from ..parallel.fault_tolerance import HealState, ReplicaGroups, build_replica_groups
 from ..utils.logging import get_logger
+from ..utils.writer import MetricsWriter
+from .parts import TrainLoader
 from .state import TrainState
-from .trainer import Trainer
 
 logger = get_logger(__name__)
 
@@ -30,59 +33,51 @@ logger = get_logger(__name__)
 NOT_HEALED = ("trackers",)
 
 
-@dataclass
-class ReplicatedTrainer(Trainer):
-    """A Trainer that is one replica group of several (built by `build_trainer` when the section is enabled)."""
+@dataclass(frozen=True)
+class Attempt:
+    """The loop's progress and the loader's position before a step's batch: what a retried step goes back to."""
 
-    replicas: Optional[ReplicaGroups] = None
-    _redo: bool = False  # the last step was not committed: its batch comes again
+    progress: dict
+    position: dict
 
-    def _batches(self) -> Iterator[dict]:
-        """The training batches, each after its step's quorum; a step that was not committed is rewound first (the
-        loop's progress and the loader's position as they were before its batch), so its batch comes again."""
-        batches = iter(self.train_loader)
-        while True:
-            self.replicas.begin_step()  # may heal: the state, data position and weights become a live peer's
-            progress, position = self.state.state_dict(), self.train_loader.state_dict()
-            yield next(batches)
-            if self._redo:
-                self._redo = False
-                self.state.load_state_dict(progress)
-                self.train_loader.load_state_dict(position)
-                self.train_metric.reset()  # the attempt's micro-batches count again when the batch is trained again
-                self.timers.pop()
-
-    def optimizer_step(self) -> tuple[bool, float]:
-        """The gradients averaged over the replica groups and the group's commit vote, then the usual clip and
-        step; StepNotCommitted (gradients dropped) when the groups did not commit."""
-        params = [p for p in self.model.parameters() if p.requires_grad]
-        self.replicas.average_gradients(params)
-        if not self.replicas.commit():
-            self.optimizer.zero_grad(set_to_none=True)
-            self._redo = True
-            logger.warning(f"replica group {self.replicas.replica_id}: step {self.state.batch_count} not committed "
-                           f"({self.replicas.error}); training it again")
-            raise StepNotCommitted(f"step {self.state.batch_count} of replica group {self.replicas.replica_id}")
-        return super().optimizer_step()
-
-    def train(self) -> TrainState:
-        """Trainer.train; then this group leaves the quorum at once (its peers need not wait for its heartbeat to
-        stop)."""
-        try:
-            return super().train()
-        finally:
-            self.replicas.close()
-
-    def train_step(self, batch: dict, t_start: float) -> dict:
-        """Trainer.train_step, with this step's quorum in its metrics (ft/participants, ft/quorum_time, ...)."""
-        metrics = super().train_step(batch, t_start)
-        metrics.update(self.replicas.step_metrics())
-        return metrics
+    def restore(self, state: TrainState, loader: TrainLoader) -> None:
+        """Back to before the batch, so that the same batch comes again."""
+        state.load_state_dict(self.progress)
+        loader.load_state_dict(self.position)
 
 
-def trainer_class(replicas: Optional[ReplicaGroups]) -> Callable[..., Trainer]:
-    """Trainer, or a ReplicatedTrainer bound to `replicas` when there are replica groups."""
-    return Trainer if replicas is None else functools.partial(ReplicatedTrainer, replicas=replicas)
+def begin_step(replicas: ReplicaGroups, state: TrainState, loader: TrainLoader, writer: MetricsWriter) -> Attempt:
+    """The step's quorum (may heal: the state, data position and weights become a live peer's); the attempt."""
+    before = state.batch_count
+    if replicas.begin_step():
+        record_heal(replicas, writer, before, state.batch_count)
+    return Attempt(state.state_dict(), loader.state_dict())
+
+
+def record_heal(replicas: ReplicaGroups, writer: MetricsWriter, before: int, after: int) -> None:
+    """Say what a heal did, in every rank's log and in metrics.jsonl (a `heal` record at the step the group
+    continues from): the group's own progress (step `before`: a fresh start, or the checkpoint it resumed) was
+    replaced by a live peer's, and the steps between were trained by the live groups, not by this one (a group
+    that heals at its start has no train records up to the step it healed to)."""
+    span = (f"; steps {before + 1}-{after} were trained by the live groups, not by this one"
+            if after > before else "")
+    logger.warning(f"replica group {replicas.replica_id}: healed from a live peer at its step {before}: "
+                   f"continues from step {after}{span}")
+    writer.write(after, {"replica_id": replicas.replica_id, "from_step": before, "to_step": after,
+                         "heals": replicas.step_metrics().get("ft/heals", 0)}, kind="heal")
+
+
+def commit(replicas: ReplicaGroups, model: torch.nn.Module, optimizer: torch.optim.Optimizer, step: int) -> bool:
+    """The gradients averaged over the replica groups and the group's commit vote; False (gradients dropped) when
+    the groups did not commit step `step`."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    replicas.average_gradients(params)
+    if replicas.commit():
+        return True
+    optimizer.zero_grad(set_to_none=True)
+    logger.warning(f"replica group {replicas.replica_id}: step {step} not committed ({replicas.error}); training "
+                   "it again")
+    return False
 
 
 def build_replicas(cfg: Config, launch: LaunchInfo, ckpt: Any, state: TrainState) -> Optional[ReplicaGroups]:

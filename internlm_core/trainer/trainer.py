@@ -1,4 +1,6 @@
-"""The step loop: micro_num forward/backward per batch, clip + step (skip on inf/nan), metrics, validation."""
+"""The step loop: micro_num forward/backward per batch, clip + step (skip on inf/nan), metrics; then the loop's
+decisions of the step (loss health, stop requests, rewind, save, validation, evaluation, stop), each taken by a
+named part the loop calls in that order (`Trainer.train`, `Trainer._decide`); callbacks only observe (callbacks.py)."""
 
 from __future__ import annotations
 
@@ -6,7 +8,8 @@ import contextlib
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Iterable, Iterator, Optional
+from types import MappingProxyType
+from typing import TYPE_CHECKING, Iterable, Iterator, Mapping, Optional
 
 import torch
 import torch.distributed as dist
@@ -16,7 +19,7 @@ from ..distributed.parallel_dims import ParallelDims
 from ..errors import DataError
 from ..loss import FlashGPTLMLoss
 from ..metrics import AccPerplex, Throughput
-from ..model import TrainingHooks, document_ids_from_cu_seqlens
+from ..model import TrainingHooks
 from ..numerics import Kernels, Precision
 from ..optim import Beta2Scheduler, DynamicGradScaler, WarmupCosineLR, clip_and_check
 from ..utils import collectives
@@ -24,62 +27,25 @@ from ..utils.logging import get_logger
 from ..utils.timer import Timers
 from ..utils.transfer import to_device
 from ..utils.writer import MetricsWriter
-from ..callbacks import CallbackList
-from ..checkpoint import CheckpointManager
+from ..callbacks import CallbackList, Progress, StepRequests, StepView
+from ..checkpoint import CheckpointManager, Checkpointer, SaveDecision, SpikeRewinder
+from ..checkpoint.hf_export import HFExporter
+from ..monitor import LossHealthMonitor, StopController
+from ..monitor.stop import StopDecision
 from ..parallel import CommCounter
-from ..parallel.fault_tolerance import StepNotCommitted
+from ..parallel.fault_tolerance import ReplicaGroups
 from ..parallel.context import ROW_KEYS, ContextCut
+from . import replicated
 from .hooks import SchedulerMetricHook
+from .parts import LoopConfig, TrainLoader
 from .state import BatchSkipper, TrainState
+from .validation import eval_outputs, validation_metrics
 
 if TYPE_CHECKING:
     from ..parallel.pipeline import PipelineParallel
     from .evaluation import TaskEvaluator
 
 logger = get_logger(__name__)
-
-@dataclass
-class StopRequest:
-    """Set by callbacks (stop file, signals, loss health) to end the loop after the current step."""
-
-    stop: bool = False
-    save: bool = False
-    reason: str = ""
-
-
-@dataclass(frozen=True)
-class LoopConfig:
-    """What the step loop needs of the config, resolved once by `build_trainer`."""
-
-    seq_len: int
-    vocab_size: int
-    total_steps: int
-    micro_num: int
-    packed_length: int
-    valid_every: int
-    clip_grad_norm: float
-    dtype: str                 # model.dtype (autocast)
-    label_smoothing: float
-    vocab_parallel_loss: bool  # tensor parallel with parallel_output: logits stay vocabulary-sharded
-    validate_at_end: bool = False  # data.valid_every > 0 or a valid_folder: validate once more after the last step
-    # a simulated job (train.py --simulate): fake peers deliver garbage gradients; step anyway, so that the
-    # optimizer state exists and the memory is that of the real job
-    simulated: bool = False
-
-    @classmethod
-    def from_config(cls, cfg, tp: int, simulated: bool = False) -> "LoopConfig":
-        """The loop's view of `cfg`. A simulated rank skips validation: a forward-only pass needs less memory
-        than a training step, and on a CPU it costs minutes."""
-        d = cfg.data
-        return cls(seq_len=d.seq_len, vocab_size=cfg.model.vocab_size, total_steps=d.total_steps,
-                   micro_num=d.micro_num, packed_length=d.packed_length,
-                   valid_every=0 if simulated else d.valid_every,
-                   clip_grad_norm=cfg.hybrid_zero_optimizer.clip_grad_norm, dtype=cfg.model.dtype,
-                   label_smoothing=cfg.loss.label_smoothing,
-                   vocab_parallel_loss=tp > 1 and cfg.model.parallel_output,
-                   validate_at_end=not simulated and (d.valid_every > 0 or d.valid_folder is not None),
-                   simulated=simulated)
-
 
 @dataclass
 class Trainer:
@@ -99,7 +65,7 @@ class Trainer:
     beta2_scheduler: Beta2Scheduler
     grad_scaler: Optional[DynamicGradScaler]
     # data and progress
-    train_loader: Any
+    train_loader: TrainLoader
     valid_loaders: dict[str, Iterable]
     batch_skipper: BatchSkipper
     state: TrainState
@@ -115,15 +81,31 @@ class Trainer:
     comm: Optional[CommCounter]           # under FSDP: bytes gathered and reduced per step (comm/* metrics)
     writer: MetricsWriter                 # opened after any resume (a resumed run writes on where it stopped)
     checkpoint_manager: CheckpointManager  # registered, lease taken, resume done
-    callbacks: CallbackList               # observers and steerers, in the order build_trainer declares
+    # the loop's decisions, each a named part it calls in its order (train, _decide)
+    health: LossHealthMonitor             # judges each step's loss: inf/nan streaks (TrainingError), spikes
+    stopper: StopController               # stop file and signals, polled after each step (a collective)
+    checkpointer: Checkpointer            # when a step is saved (and the veto), the final save
+    callbacks: CallbackList               # observers: each event gets a read-only StepView; they decide nothing
+    rewinder: Optional[SpikeRewinder] = None  # monitor.spike_rewind: back to the checkpoint before a lasting spike
+    hf_export: Optional[HFExporter] = None    # ckpt.hf_export_every
+    replicas: Optional[ReplicaGroups] = None  # parallel.fault_tolerance: this rank's replica groups (torchft)
     evaluator: Optional[TaskEvaluator] = None  # evaluation.tasks (trainer/evaluation.py); None without tasks
     context: Optional[ContextCut] = None   # context parallel: this rank's zigzag chunk of every row
-    stop_request: StopRequest = field(default_factory=StopRequest)
+    requests: StepRequests = field(default_factory=StepRequests)  # what observers ask of this step (save, stop)
     last_metrics: dict = field(default_factory=dict)
     _step_end: float = 0.0  # perf_counter at the end of the last step: the start of the next step's time
     _validated_at: int = -1  # batch_count of the last validation
 
     # ---- pieces of one step -------------------------------------------------------------------
+
+    def view(self, metrics: Optional[Mapping] = None) -> StepView:
+        """What callbacks see of the run now: a frozen StepView (progress snapshot, read-only metrics)."""
+        st, loaded = self.state, self.checkpoint_manager.loaded
+        progress = Progress(st.batch_count, st.step_count, st.num_consumed_tokens, st.num_consumed_samples_in_epoch,
+                            st.inf_nan_skip_batches)
+        return StepView(st.batch_count, progress, self.run_dir, self.rank, self.world_size, self.model,
+                        self.optimizer, self.requests, MappingProxyType(dict(metrics or {})),
+                        loaded.url if loaded is not None else None)
 
     @property
     def timers(self) -> Timers:
@@ -182,35 +164,35 @@ class Trainer:
 
     def _forward_backward(self, batch: dict, n: int, scale: float, forward_only: bool) -> torch.Tensor:
         total = torch.zeros((), device=self.device)
-        hook, fire = self.metric_hook, self.callbacks.fire
+        hook, fire, view = self.metric_hook, self.callbacks.fire, self.view()
         for i, mb in enumerate(self._micro_batches(batch, n)):
             last = i == n - 1
             if not forward_only and hasattr(self.model, "set_requires_gradient_sync"):
                 self._gradient_sync(last)
             with self.autocast():
-                fire("on_before_forward", self)
+                fire("on_before_forward", view)
                 with hook.phase("fwd"):
                     logits = self._forward(mb)
-                fire("on_after_forward", self)
-                fire("on_before_criterion", self)
+                fire("on_after_forward", view)
+                fire("on_before_criterion", view)
                 with hook.phase("cal_loss"):
                     loss, side = self.loss_fn(logits, mb["labels"])
                 if "loss_share" in mb:  # context parallel: this chunk's part of the micro-batch's mean
                     loss = loss * mb["loss_share"]
-                fire("on_after_criterion", self)
+                fire("on_after_criterion", view)
             logits = logits.detach()
             hook.record(logits, mb["labels"], mb["type_ids"], side.token_losses, side.predictions)
-            fire("on_micro_batch_end", self, logits, mb["labels"], mb["type_ids"], side.token_losses,
+            fire("on_micro_batch_end", view, logits, mb["labels"], mb["type_ids"], side.token_losses,
                  side.predictions)
             del logits, side  # not alive during the next micro-batch's forward
             total += loss.detach()
             if not forward_only:
-                fire("on_before_backward", self)
+                fire("on_before_backward", view)
                 self.family.before_backward(self.model, scale / n)
                 with hook.phase("bwd"):
                     # FSDP averages over the context ranks too: times cp, their parts of the mean are summed
                     (loss * (scale * self.dims.cp / n)).backward()
-                fire("on_after_backward", self)
+                fire("on_after_backward", view)
         return total / n
 
     def _gradient_sync(self, last: bool) -> None:
@@ -225,7 +207,7 @@ class Trainer:
         """One step through torch.distributed.pipelining: the last stage computes each micro-batch's loss
         and feeds the metrics; gradients are divided by n there, as `loss / n` does above."""
         losses: list[torch.Tensor] = []
-        hook, fire = self.metric_hook, self.callbacks.fire
+        hook, fire, view = self.metric_hook, self.callbacks.fire, self.view()
         from ..parallel.pipeline import stack_micro_batches  # torch.distributed.pipelining: pipeline runs only
         x = stack_micro_batches(list(self._micro_batches(batch, n)))
         shares = x["loss_shares"]  # context parallel: each chunk's part of its micro-batch's mean, as above
@@ -234,12 +216,12 @@ class Trainer:
             share = 1.0 if shares is None else shares[min(len(losses), n - 1)]  # the calls follow micro-batch order
             if not record:
                 return self.loss_fn(logits, labels)[0] * (scale * share * self.dims.cp)
-            fire("on_before_criterion", self)
+            fire("on_before_criterion", view)
             with hook.phase("cal_loss"):
                 loss, side = self.loss_fn(logits, labels)
-            fire("on_after_criterion", self)
+            fire("on_after_criterion", view)
             hook.record(logits.detach(), labels, type_ids, side.token_losses, side.predictions)
-            fire("on_micro_batch_end", self, logits.detach(), labels, type_ids, side.token_losses, side.predictions)
+            fire("on_micro_batch_end", view, logits.detach(), labels, type_ids, side.token_losses, side.predictions)
             losses.append(loss.detach() * share)
             return loss * (scale * share * self.dims.cp)
 
@@ -290,8 +272,9 @@ class Trainer:
 
     # ---- the loop --------------------------------------------------------------------------------
 
-    def train_step(self, batch: dict, t_start: float) -> dict:
-        """One batch: forward/backward, step, metrics record.
+    def train_step(self, batch: dict, t_start: float) -> Optional[dict]:
+        """One batch: forward/backward, step, metrics record; None when replica groups did not commit the step
+        (its gradients are dropped; `train` trains the same batch again).
 
         `step_time` runs from `t_start` (the end of the previous step, see `train`) to the end of this
         optimizer step, so it includes data loading and everything done between steps (metrics, writers,
@@ -300,9 +283,12 @@ class Trainer:
         if self.comm is not None:
             self.comm.reset()  # this step's collectives only (not the validation before it)
         loss = self.forward_backward(batch)
-        with self.timers("optim"):
-            success, grad_norm = self.optimizer_step()
         st = self.state
+        with self.timers("optim"):
+            if self.replicas is not None and not replicated.commit(self.replicas, self.model, self.optimizer,
+                                                                   st.batch_count):
+                return None
+            success, grad_norm = self.optimizer_step()
         if success:
             st.step_count += 1
         else:
@@ -320,80 +306,119 @@ class Trainer:
                    "adam_beta2": self.optimizer.param_groups[0]["betas"][1]}
         if self.grad_scaler is not None:
             metrics["loss_scale"] = self.grad_scaler.scale
-        m = self.train_metric.get_metric()
-        metrics.update({k: v for k, v in m.items() if k in ("acc", "ppl") or k.startswith("acc/")})
         per_type = getattr(self.train_loader, "consumed_tokens_per_type", None)  # all ranks' tokens of each type so far
-        metrics.update({f"tokens/{k}": v for k, v in (per_type() if per_type else {}).items()})
-        metrics.update({f"time/{k}": v for k, v in self.timers.pop().items()})
+        metrics.update(self.metric_hook.step_metrics(per_type() if per_type else {}))
         if self.comm is not None:
             metrics.update(self.comm.pop())
         if self.context is not None:
             metrics.update(self.context.step_metrics())
         metrics.update(self.family.step_metrics(self.model, self.dims.group("dp_cp") if self.dims.dp_cp > 1 else None))
+        if self.replicas is not None:
+            metrics.update(self.replicas.step_metrics())  # ft/participants, ft/quorum_time, ...
         return metrics
 
-    def _batches(self) -> Iterator[dict]:
-        """The training batches (trainer/replicated.py adds each step's quorum)."""
-        return iter(self.train_loader)
-
     def train(self) -> TrainState:
-        """Train until `data.total_steps` batches are done or a stop is requested."""
+        """Train until `data.total_steps` batches are done or a stop is decided. Each step, in this order: the
+        replica groups' quorum (torchft only), data, forward/backward and optimizer step -- or, when the replica
+        groups did not commit it, the same batch again --, metrics; then the step's decisions (`_decide`)."""
         loop, st = self.loop, self.state
-        self.callbacks.fire("on_train_start", self)
-        train_iter = self._batches()
+        self.callbacks.fire("on_train_start", self.view())
+        train_iter = iter(self.train_loader)
         logger.info(f"training from batch {st.batch_count} to {loop.total_steps} "
                     f"(micro_num={loop.micro_num}, packed_length={loop.packed_length}, dp={self.dims.dp})")
         self._step_end = time.perf_counter()
-        while st.batch_count < loop.total_steps:
-            t_start = self._step_end  # the end of the previous step: its metrics, writers and callbacks count
-            with self.timers("data"):
-                batch = next(train_iter)
-            index = st.batch_count
-            st.batch_count += 1
-            st.num_consumed_samples_in_epoch += batch["input_ids"].shape[0]
-            st.num_consumed_tokens += batch["input_ids"].numel() * self.dims.dp
-            if self.batch_skipper(index):
-                logger.info(f"skip batch {index} (data.skip_batches)")
-                self.timers.pop()
-                self._step_end = time.perf_counter()
-                continue
-            self._check_vocab(batch)
-            try:
+        stop = StopDecision()
+        try:
+            while st.batch_count < loop.total_steps:
+                t_start = self._step_end  # the end of the previous step: its metrics, writers and callbacks count
+                attempt = (replicated.begin_step(self.replicas, st, self.train_loader, self.writer)
+                           if self.replicas is not None else None)  # the quorum; a heal may move the run on
+                with self.timers("data"):
+                    batch = next(train_iter)
+                index = st.batch_count
+                st.batch_count += 1
+                st.num_consumed_samples_in_epoch += batch["input_ids"].shape[0]
+                st.num_consumed_tokens += batch["input_ids"].numel() * self.dims.dp
+                if self.batch_skipper(index):  # data.skip_batches, and the batches a spike rewind added
+                    logger.info(f"skip batch {index} (data.skip_batches)")
+                    self.timers.pop()
+                    self._step_end = time.perf_counter()
+                    continue
+                self._check_vocab(batch)
                 metrics = self.train_step(batch, t_start)
-            except StepNotCommitted:  # replica groups (trainer/replicated.py): the same batch comes again
-                continue
-            self.last_metrics = metrics
-            self.writer.write(st.batch_count, metrics)
-            self.callbacks.fire("on_step_end", self, metrics)
-            if loop.valid_every > 0 and st.batch_count % loop.valid_every == 0:
-                self.evaluate()
-                self._step_end = time.perf_counter()  # validation has its own valid_time
-            if self.evaluator is not None and self.evaluator.due(st.batch_count):
-                self.evaluate_tasks()
-                self._step_end = time.perf_counter()  # as validation: eval_time
-            if self.stop_request.stop:
-                logger.info(f"stopping after step {st.batch_count}: {self.stop_request.reason}")
-                break
+                if metrics is None:  # the replica groups did not commit: the same batch, under a new quorum
+                    attempt.restore(st, self.train_loader)
+                    self.train_metric.reset()  # the attempt's micro-batches count again when trained again
+                    self.timers.pop()
+                    continue
+                self.last_metrics = metrics
+                self.writer.write(st.batch_count, metrics)
+                stop = self._decide(metrics)
+                if stop.stop:
+                    logger.info(f"stopping after step {st.batch_count}: {stop.reason}")
+                    break
+            self._finish(stop)
+        finally:
+            if self.replicas is not None:
+                self.replicas.close()  # leave the quorum at once: the peers need not wait for a heartbeat to stop
+        return st
+
+    def _decide(self, metrics: dict) -> StopDecision:
+        """A step's decisions, in order: judge the loss health, tell the observers, poll stop requests, then rewind,
+        save, validate, evaluate; returns the stop decision (`.stop`: the run ends after this step)."""
+        step = self.state.batch_count
+        self.health.judge(metrics)  # TrainingError after monitor.max_consecutive_inf_nan bad steps in a row
+        unhealthy = self.health.unhealthy(spikes=self.rewinder is not None and self.rewinder.vetoes_spikes)
+        self.callbacks.fire("on_step_end", self.view(metrics), MappingProxyType(metrics))
+        stop = self.stopper.poll(step).asked(*self.requests.take())  # stop file, signals; observers' requests
+        if self.rewinder is not None and self.rewinder.due(self.health.spike_streak):
+            outcome = self.rewinder.rewind(self.health.spike_streak)  # every state back to the checkpoint before
+            self.batch_skipper.add(outcome.skip_batches)  # the spiking batches are skipped from now on
+            self.health.forget_spikes()
+            self.writer.write(outcome.step, outcome.record, kind="rewind")
+            return stop  # the spiking steps are gone: nothing of them is saved, validated or evaluated
+        save = self.checkpointer.due(step, stop.save, stop.reason)
+        if save is not None:
+            self._save(save, unhealthy)
+        if self.hf_export is not None:
+            self.hf_export.maybe_export(step, unhealthy)
+        if self.loop.valid_every > 0 and step % self.loop.valid_every == 0:
+            self.evaluate()
+            self._step_end = time.perf_counter()  # validation has its own valid_time
+        if self.evaluator is not None and self.evaluator.due(step):
+            self.evaluate_tasks()
+            self._step_end = time.perf_counter()  # as validation: eval_time
+        return stop
+
+    def _save(self, decision: SaveDecision, unhealthy: Optional[str]) -> None:
+        step = self.state.batch_count
+        path = self.checkpointer.save(step, decision, unhealthy)
+        if path is not None:
+            self.callbacks.fire("on_save", self.view(), step, path)
+
+    def _finish(self, stop: StopDecision) -> None:
+        """After the last step (or a stop): the final validation and evaluation, the final save, the observers'
+        on_train_end; then the background writes are waited for (CheckpointError if the last save failed)."""
+        loop, st = self.loop, self.state
         if loop.validate_at_end and st.batch_count >= loop.total_steps and self._validated_at != st.batch_count:
             self.evaluate()  # the final validation data.valid_every promises
         ev = self.evaluator
         if ev is not None and ev.at_end and st.batch_count >= loop.total_steps and ev.last_step != st.batch_count:
             self.evaluate_tasks()
-        self.callbacks.fire("on_train_end", self)
+        final = self.checkpointer.final(st.batch_count, stop.stop, stop.reason)
+        if final is not None:
+            self._save(final, self.health.unhealthy(spikes=self.rewinder is not None and self.rewinder.vetoes_spikes))
+        self.stopper.close()
+        self.callbacks.fire("on_train_end", self.view())
+        if self.hf_export is not None:
+            self.hf_export.wait()
+        self.checkpointer.close()
         self.writer.close()
-        return st
 
     def _eval_outputs(self, batch: dict) -> Iterator[tuple[torch.Tensor, dict]]:
         """(logits, micro-batch) of each micro-batch; under pipeline parallel only on the last stage."""
-        n = batch["input_ids"].shape[0]
-        if self.pipeline is None:
-            for mb in self._micro_batches(batch, n):
-                yield self._forward(mb), mb
-            return
-        mbs = list(self._micro_batches(batch, n))
-        for mb in (mb for mb in mbs if "document_ids" not in mb):  # on the host (context parallel's cut made its own)
-            mb["document_ids"] = document_ids_from_cu_seqlens(mb["cu_seqlens"], *mb["input_ids"].shape)
-        yield from self.pipeline.forward_only(mbs)
+        yield from eval_outputs(list(self._micro_batches(batch, batch["input_ids"].shape[0])), self._forward,
+                                self.pipeline)
 
     @torch.no_grad()
     def evaluate_tasks(self) -> dict:
@@ -413,29 +438,12 @@ class Trainer:
             return {}
         self._validated_at = self.state.batch_count
         self.model.eval()
-        results: dict[str, float] = {}
         t0 = time.perf_counter()
-        for name, loader in self.valid_loaders.items():
-            metric = AccPerplex(self.train_metric.type_names, self.train_metric.process_group)
-            losses = []
-            for batch in loader:
-                with self.autocast(), self.loss_context():
-                    for logits, mb in self._eval_outputs(batch):
-                        loss, side = self.loss_fn(logits, mb["labels"])
-                        losses.append(loss.detach())
-                        metric.update(logits, mb["labels"], mb["type_ids"], side.token_losses, side.predictions)
-            m = metric.get_metric()
-            if not m.get("tokens"):
-                continue
-            results[f"valid/{name}/loss"] = m["loss_from_metric"]
-            results[f"valid/{name}/acc"] = m["acc"]
-            results[f"valid/{name}/ppl"] = m["ppl"]
-            per_type = {k: v for k, v in m.items() if "/" in k}
-            if len(per_type) > 3:  # more than one type in this set (one type would only repeat the totals)
-                results.update({f"valid/{name}/{k}": v for k, v in per_type.items()})
+        results = validation_metrics(self.valid_loaders, self._eval_outputs,
+                                     lambda: (self.autocast(), self.loss_context()), self.loss_fn, self.train_metric)
         results["valid_time"] = time.perf_counter() - t0
         self.timers.pop()
         self.model.train()
         self.writer.write(self.state.batch_count, results, kind="valid")
-        self.callbacks.fire("on_validation_end", self, results)
+        self.callbacks.fire("on_validation_end", self.view(), MappingProxyType(results))
         return results

@@ -207,19 +207,20 @@ def run_job(name: str, launch, root: Path) -> None:
     record: dict = {"losses": [], "acc": [], "ppl": [], "grad_norm": [], "validations": 0, "straggler_checks": 0}
 
     class Record(TrainerCallback):
-        def on_step_end(self, trainer, metrics):
+        def on_step_end(self, view, metrics):
             for k in ("acc", "ppl", "grad_norm"):
                 record[k].append(metrics[k])
             record.setdefault("comm", []).append({k: v for k, v in metrics.items() if k.startswith("comm/")})
             record["losses"].append(metrics["loss"])
             if metrics["step"] == STEPS:  # what the 5-step layouts end with (the fp32 references go on to 10)
-                record["params5"] = _full_params(trainer.model)
+                record["params5"] = _full_params(view.model)
+            # the run's straggler monitor (the trainer built below): it reported at this step, before this observer
             diag = next((cb for cb in trainer.callbacks.callbacks if type(cb).__name__ == "StragglerMonitor"), None)
             if diag is not None and diag.last_report is not None and diag.last_report.step == metrics["step"]:
                 record["straggler_checks"] += 1
 
-        def on_validation_end(self, trainer, metrics):
-            record.setdefault("probe", {})[trainer.state.batch_count] = {
+        def on_validation_end(self, view, metrics):
+            record.setdefault("probe", {})[view.state.batch_count] = {
                 k: v for k, v in metrics.items() if k.startswith("valid/")}
             record["validations"] += 1
 

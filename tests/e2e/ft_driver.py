@@ -34,28 +34,48 @@ def _sha(tensors) -> str:
 
 
 class PaceAndDigest(TrainerCallback):
+    """An observer (callbacks see a read-only StepView); `replicas` (the trainer's replica groups, read for their
+    size and heal count) is handed to it by `_watch_replicas` once train.py has built the trainer."""
+
     def __init__(self, together: float, alone: float, die_at: str):
         step, _, rank = die_at.partition("@")
         self.together, self.alone, self.die_at, self.die_rank = together, alone, int(step), rank
+        self.replicas = None
 
-    def on_after_backward(self, trainer):
+    def on_after_backward(self, view):
         # >=: a group that joins late heals past die_at (a loaded machine starts it after the others moved on)
-        if self.die_at and trainer.state.batch_count >= self.die_at and self.die_rank in ("", str(trainer.rank)):
+        if self.die_at and view.state.batch_count >= self.die_at and self.die_rank in ("", str(view.rank)):
             os.kill(os.getpid(), signal.SIGKILL)
 
-    def on_step_end(self, trainer, metrics):
-        full = metrics.get("ft/participants", 0) >= trainer.replicas.group_size
+    def on_step_end(self, view, metrics):
+        full = metrics.get("ft/participants", 0) >= self.replicas.group_size
         time.sleep(self.together if full else self.alone)
 
-    def on_train_end(self, trainer):
-        optim = trainer.optimizer.state_dict()["state"]
-        record = {"step": trainer.state.batch_count, "model": _sha(trainer.model.state_dict().values()),
+    def on_train_end(self, view):
+        optim = view.optimizer.state_dict()["state"]
+        record = {"step": view.state.batch_count, "model": _sha(view.model.state_dict().values()),
                   "optimizer": _sha(v for i in sorted(optim) for _, v in sorted(optim[i].items())),
-                  "heals": trainer.replicas.heal.healed}
-        (trainer.run_dir / f"digest-rank{trainer.rank}.json").write_text(json.dumps(record))
+                  "heals": self.replicas.heal.healed}
+        (view.run_dir / f"digest-rank{view.rank}.json").write_text(json.dumps(record))
+
+
+def _watch_replicas(pace: PaceAndDigest) -> None:
+    """train.py's build_trainer, then `pace.replicas` = the built trainer's replica groups."""
+    from internlm_core.trainer import build
+
+    real = build.build_trainer
+
+    def build_trainer(*args, **kwargs):
+        trainer = real(*args, **kwargs)
+        pace.replicas = trainer.replicas
+        return trainer
+
+    build.build_trainer = build_trainer
 
 
 if __name__ == "__main__":
     together, alone, die_at, sep, *rest = sys.argv[1:]
     assert sep == "--", "usage: ft_driver.py PACE_TOGETHER PACE_ALONE DIE_AT[@RANK] -- ARGS"
-    sys.exit(train.main(rest, extra_callbacks=[PaceAndDigest(float(together), float(alone), die_at)]))
+    pace = PaceAndDigest(float(together), float(alone), die_at)
+    _watch_replicas(pace)
+    sys.exit(train.main(rest, extra_callbacks=[pace]))

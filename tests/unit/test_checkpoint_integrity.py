@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from internlm_core.checkpoint import (MARKER, REJECTED, CheckpointCallback, CheckpointManager, CorruptCheckpoint,
-                                      LocalStorage, file_crc32, latest_checkpoint)
+from internlm_core.checkpoint import (MARKER, REJECTED, CheckpointManager, Checkpointer, CorruptCheckpoint,
+                                      LocalStorage, SaveDecision, file_crc32, latest_checkpoint)
 from internlm_core.config import load_config
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -119,33 +119,16 @@ def test_a_named_corrupt_checkpoint_is_an_error_and_old_markers_without_checksum
     m2.close()
 
 
-class Health:
-    def __init__(self):
-        self.why = None
-
-    def unhealthy(self):
-        return self.why
-
-
-class FakeTrainer:
-    def __init__(self):
-        from internlm_core.callbacks import CallbackList
-        from internlm_core.trainer.trainer import StopRequest
-
-        class State:
-            batch_count = 0
-        self.state, self.stop_request, self.callbacks = State(), StopRequest(), CallbackList([])
-
-
 def test_no_save_during_an_inf_nan_streak_and_a_rewind_rejects_what_came_after(tmp_path):
     m, model, counter, alerts = manager(tmp_path, "ckpt.checkpoint_every=10")
-    health, trainer = Health(), FakeTrainer()
-    cb = CheckpointCallback(m, health=health)
+    cp = Checkpointer(m)
     for step, why in ((10, None), (20, "loss or gradient inf/nan for 3 step(s) in a row since step 18"), (30, None)):
         with torch.no_grad():
             model.weight.fill_(float(step))
-        counter.n, trainer.state.batch_count, health.why = step, step, why
-        cb.on_step_end(trainer, {"step": step})
+        counter.n = step
+        decision = cp.due(step)  # the periodic save (checkpoint_every); `why`: the loss health's veto
+        assert decision == SaveDecision("checkpoint_every", "regular")
+        cp.save(step, decision, unhealthy=why)
         m.wait()
     assert sorted(p.name for p in (tmp_path / "ckpt").iterdir() if p.is_dir()) == ["10", "30"]
     (subject, content, level), = alerts.sent

@@ -18,7 +18,7 @@ from internlm_core.trainer.build import build_trainer
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "tests" / "e2e"))
-from fault_driver import Fault  # noqa: E402
+from fault_driver import inject_garbage  # noqa: E402
 
 LAUNCH = LaunchInfo("none", 0, 1, 0, torch.device("cpu"), None)
 STEPS = 14
@@ -31,11 +31,10 @@ def run(tmp_path: Path, name: str, *sets: str, garbage: bool = True) -> list[dic
         *sets])
     (tmp_path / name / "run").mkdir(parents=True)
     alerts = AlertManager([FileSink(tmp_path / name / "alerts.jsonl")], job_name=name)
-    trainer = build_trainer(cfg, LAUNCH, tmp_path / name / "run", alerts=alerts,
-                            extra_callbacks=[Fault("garbage:2", 9, 0)] if garbage else None)
-    for cb in trainer.callbacks.callbacks:  # spikes judged after 5 good steps (default 20), to keep the test short
-        if hasattr(cb, "warmup_steps"):
-            cb.warmup_steps = 5
+    trainer = build_trainer(cfg, LAUNCH, tmp_path / name / "run", alerts=alerts)
+    if garbage:
+        inject_garbage(trainer, 9, 2)  # batches 9 and 10
+    trainer.health.warmup_steps = 5  # spikes judged after 5 good steps (default 20), to keep the test short
     trainer.train()
     alerts.close()
     return [json.loads(line) for line in (tmp_path / name / "run/metrics.jsonl").read_text().splitlines()]

@@ -24,16 +24,10 @@ class Alerts:
 
 
 class Trainer:
+    """What the reporter sees (a StepView's step and resumed_from) and the run's writer it is given."""
+
     def __init__(self, run_dir: Path, step: int):
-        class State:
-            batch_count = step
-
-        class Loaded:
-            url = "/ckpt/30"
-
-        class Manager:
-            loaded = Loaded()
-        self.state, self.checkpoint_manager = State(), Manager()
+        self.step, self.resumed_from = step, "/ckpt/30"
         self.writer = MetricsWriter(run_dir, active=True)
 
 
@@ -47,8 +41,8 @@ def test_restart_record_then_retrained_steps_and_the_time_lost(tmp_path):
     (tmp_path / "metrics.jsonl").write_text(text)
     assert last_train_record(tmp_path / "metrics.jsonl")[0] == 35
     alerts = Alerts()
-    rep = RestartReporter(tmp_path, rank=0, restart_count=1, max_restarts=2, alerts=alerts)
     trainer = Trainer(tmp_path, 30)
+    rep = RestartReporter(tmp_path, rank=0, restart_count=1, max_restarts=2, alerts=alerts, writer=trainer.writer)
     rep.on_train_start(trainer)
     for s in range(31, 37):
         trainer.writer.write(s, {"loss": 1.0})
@@ -83,8 +77,8 @@ def test_rewind_voids_the_spiking_steps_even_when_they_are_skipped(tmp_path):
 
 
 def test_fresh_run_writes_no_restart_record(tmp_path):
-    rep = RestartReporter(tmp_path, rank=0, restart_count=0, alerts=Alerts())
     trainer = Trainer(tmp_path, 0)
+    rep = RestartReporter(tmp_path, rank=0, restart_count=0, alerts=Alerts(), writer=trainer.writer)
     rep.on_train_start(trainer)
     trainer.writer.close()
     assert (tmp_path / "metrics.jsonl").read_text() == "" and rep.alerts.sent == []

@@ -19,14 +19,14 @@ def test_stops_after_k_consecutive_bad_steps_with_counts():
     with WebhookReceiver() as rx:
         am = AlertManager([WebhookSink(rx.url)], job_name="nanjob")
         h = LossHealthMonitor(max_consecutive_inf_nan=3, alerts=am)
-        h.on_step_end(None, metrics(1, 2.0))
-        h.on_step_end(None, metrics(2, float("nan"), skipped=True, grad_norm=float("nan"), skips=1))
-        h.on_step_end(None, metrics(3, 2.1))  # recovers: the streak resets
-        h.on_step_end(None, metrics(4, float("nan"), skipped=True, grad_norm=float("inf"), skips=2))
-        h.on_step_end(None, metrics(5, 2.0, skipped=True, grad_norm=float("inf"), skips=3))
+        h.judge(metrics(1, 2.0))
+        h.judge(metrics(2, float("nan"), skipped=True, grad_norm=float("nan"), skips=1))
+        h.judge(metrics(3, 2.1))  # recovers: the streak resets
+        h.judge(metrics(4, float("nan"), skipped=True, grad_norm=float("inf"), skips=2))
+        h.judge(metrics(5, 2.0, skipped=True, grad_norm=float("inf"), skips=3))
         assert h.consecutive_bad == 2 and h.total_bad == 3
         with pytest.raises(TrainingError) as ei:
-            h.on_step_end(None, metrics(6, float("inf"), skipped=True, grad_norm=float("nan"), skips=4))
+            h.judge(metrics(6, float("inf"), skipped=True, grad_norm=float("nan"), skips=4))
         bodies = rx.wait_for(2)
         am.close()
     assert str(ei.value) == (
@@ -109,10 +109,9 @@ def test_spike_streak_and_unhealthy_reasons():
     h.check(6, 8.0)
     assert h.spike_streak == [5, 6]
     assert h.unhealthy() is None  # spikes only alert unless a rewind vetoes saves during them
-    h.veto_spikes = True
-    assert h.unhealthy() == "loss spike since step 5 (2 step(s))"
+    assert h.unhealthy(spikes=True) == "loss spike since step 5 (2 step(s))"
     h.check(7, 2.0)
-    assert h.spike_streak == [] and h.unhealthy() is None
+    assert h.spike_streak == [] and h.unhealthy(spikes=True) is None
     h.check(8, float("nan"))
     h.check(9, 2.0, skipped=True)
     assert h.unhealthy() == "loss or gradient inf/nan for 2 step(s) in a row since step 8"

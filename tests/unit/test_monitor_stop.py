@@ -106,22 +106,25 @@ def test_no_stop_file_signals_only():
         c.close()
 
 
-def test_callback_fills_the_trainers_stop_request(controller):
-    from internlm_core.trainer.trainer import StopRequest
+def test_the_loops_poll_sequence_and_observer_requests(controller):
+    """What the trainer's loop gets at each step (poll, then the observers' requests merged): a save-only request
+    lasts one step; a signal saves and stops; close restores the handlers."""
+    from internlm_core.callbacks import StepRequests
 
     previous = signal.getsignal(signal.SIGTERM)
     c = controller()
     assert signal.getsignal(signal.SIGTERM) != previous
-    trainer = type("T", (), {"stop_request": StopRequest()})()
+    requests = StepRequests()
     c.stop_file_path.write_text("-2")
-    c.on_step_end(trainer, {"step": 1})
-    assert trainer.stop_request == StopRequest()
-    c.on_step_end(trainer, {"step": 2})
-    assert trainer.stop_request == StopRequest(stop=False, save=True, reason=f"stop file {c.stop_file_path}: -2")
-    c.on_step_end(trainer, {"step": 3})  # a save-only request lasts one step
-    assert (trainer.stop_request.save, trainer.stop_request.stop) == (False, False)
+    assert c.poll(1).asked(*requests.take()) == StopDecision()
+    assert c.poll(2).asked(*requests.take()) == StopDecision(stop=False, save=True,
+                                                            reason=f"stop file {c.stop_file_path}: -2")
+    d = c.poll(3).asked(*requests.take())  # a save-only request lasts one step
+    assert (d.save, d.stop) == (False, False)
+    requests.ask_save("a driver wants this step")  # an observer's request: a save of this step, once
+    assert c.poll(4).asked(*requests.take()) == StopDecision(save=True, reason="a driver wants this step")
+    assert c.poll(5).asked(*requests.take()) == StopDecision()
     os.kill(os.getpid(), signal.SIGTERM)
-    c.on_step_end(trainer, {"step": 4})
-    assert trainer.stop_request == StopRequest(stop=True, save=True, reason="SIGTERM received")
-    c.on_train_end(trainer)
+    assert c.poll(6).asked(*requests.take()) == StopDecision(stop=True, save=True, reason="SIGTERM received")
+    c.close()
     assert signal.getsignal(signal.SIGTERM) == previous

@@ -28,14 +28,12 @@ def test_launch_record_and_resume_continues_tensorboard_and_loss_health(tmp_path
     assert launch["launcher"] == "none" and launch["world_size"] == 1 and launch["argv"]
     assert launch["versions"]["torch"] == torch.__version__
     first.train()
-    health = next(cb for cb in first.callbacks.callbacks if type(cb).__name__ == "LossHealthMonitor")
-    saved = health.state_dict()
+    saved = first.health.state_dict()
     assert saved["good_steps"] == 3 and saved["ema"] == saved["ema"]  # a real running mean (not nan)
 
     second = build(tmp_path, "b", 5)  # auto_resume from step 3 into another run folder
     assert second.state.batch_count == 3
-    restored = next(cb for cb in second.callbacks.callbacks if type(cb).__name__ == "LossHealthMonitor")
-    assert restored.state_dict() == saved
+    assert second.health.state_dict() == saved
     # TensorBoard goes on in the first run's folder (InternLM's behaviour), metrics.jsonl in the new one
     assert second.writer._tb is not None and Path(second.writer._tb.log_dir) == tmp_path / "a" / "tensorboard"
     second.train()

@@ -1,0 +1,55 @@
+"""What the step loop is given that is not a component of its own: `LoopConfig` (the config values the loop reads,
+resolved once) and `TrainLoader` (what the loop needs of its training data loader)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Iterator, Protocol, runtime_checkable
+
+from ..config import Config
+
+
+@runtime_checkable
+class TrainLoader(Protocol):
+    """The training loader as the loop uses it: batches in order, and its position, saved in every checkpoint and
+    restored when replica groups retry a step (data.loader's loaders; `consumed_tokens_per_type()` is optional)."""
+
+    def __iter__(self) -> Iterator[dict]: ...
+
+    def state_dict(self) -> dict: ...
+
+    def load_state_dict(self, sd: dict) -> None: ...
+
+
+@dataclass(frozen=True)
+class LoopConfig:
+    """What the step loop needs of the config, resolved once by `build_trainer`."""
+
+    seq_len: int
+    vocab_size: int
+    total_steps: int
+    micro_num: int
+    packed_length: int
+    valid_every: int
+    clip_grad_norm: float
+    dtype: str                 # model.dtype (autocast)
+    label_smoothing: float
+    vocab_parallel_loss: bool  # tensor parallel with parallel_output: logits stay vocabulary-sharded
+    validate_at_end: bool = False  # data.valid_every > 0 or a valid_folder: validate once more after the last step
+    # a simulated job (train.py --simulate): fake peers deliver garbage gradients; step anyway, so that the
+    # optimizer state exists and the memory is that of the real job
+    simulated: bool = False
+
+    @classmethod
+    def from_config(cls, cfg: Config, tp: int, simulated: bool = False) -> "LoopConfig":
+        """The loop's view of `cfg`. A simulated rank skips validation: a forward-only pass needs less memory
+        than a training step, and on a CPU it costs minutes."""
+        d = cfg.data
+        return cls(seq_len=d.seq_len, vocab_size=cfg.model.vocab_size, total_steps=d.total_steps,
+                   micro_num=d.micro_num, packed_length=d.packed_length,
+                   valid_every=0 if simulated else d.valid_every,
+                   clip_grad_norm=cfg.hybrid_zero_optimizer.clip_grad_norm, dtype=cfg.model.dtype,
+                   label_smoothing=cfg.loss.label_smoothing,
+                   vocab_parallel_loss=tp > 1 and cfg.model.parallel_output,
+                   validate_at_end=not simulated and (d.valid_every > 0 or d.valid_folder is not None),
+                   simulated=simulated)
