@@ -23,7 +23,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--run-dir", default=None, help="folder for everything this run writes "
                                                    "(default RUN/{JOB_NAME}/{launch_time})")
     p.add_argument("--dry-run", action="store_true",
-                   help="build the model on the meta device, print its size and memory, and exit")
+                   help="check the config and what a run reads before its first step (data files, evaluation "
+                        "tasks), build the model on the meta device, print its size and memory, and exit")
     p.add_argument("--profiling", action="store_true", help="run torch.profiler on a schedule (traces in the run folder)")
     p.add_argument("--dist-timeout", type=float, default=600.0, help="seconds before a stuck collective fails")
     p.add_argument("--simulate", type=int, default=None, metavar="WORLD_SIZE",
@@ -47,9 +48,12 @@ def main(argv=None, extra_callbacks=None) -> int:
         from internlm_core.model import build_model, count_parameters, model_args_from_config
         from internlm_core.estimate import describe
         from internlm_core.config.loader import compat_lines
+        from internlm_core.trainer.preflight import preflight
         cfg = load_config(args.config, args.set)
         for line in compat_lines(cfg):  # InternLM/InternEvo keys kept for compatibility, forms translated
             print(f"note: {line}")
+        for line in preflight(cfg):  # what the run reads before its first step: data files, evaluation tasks
+            print(f"checked: {line}")
         n = count_parameters(build_model(cfg, "meta"))
         print(describe(cfg, model_args_from_config(cfg)))
         print(f"built on the meta device: {n:,} parameters")
