@@ -14,10 +14,12 @@ STAMP := $(VENV)/.installed
 UV_FIND_LINKS := $(if $(PIP_FIND_LINKS),--find-links $(PIP_FIND_LINKS))
 unexport PYTHONDONTWRITEBYTECODE
 
-$(STAMP): requirements.txt requirements-dev.txt
+# The package itself is installed editable (pyproject.toml): train.py, tools/, bench/ and the tests import
+# internlm_core from this checkout without path hacks.
+$(STAMP): requirements.txt requirements-dev.txt pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	( $(PY) -m pip install -q 'uv>=0.5' && $(VENV)/bin/uv pip install -q --python $(PY) \
-		$(UV_FIND_LINKS) -r requirements-dev.txt ) || $(PY) -m pip install -q -r requirements-dev.txt
+		$(UV_FIND_LINKS) -r requirements-dev.txt -e . ) || $(PY) -m pip install -q -r requirements-dev.txt -e .
 	touch $(STAMP)
 
 venv: $(STAMP)
@@ -32,8 +34,10 @@ demo: $(STAMP)
 		--set data.train_folder=$(DEMO_DIR)/data/train data.valid_folder=$(DEMO_DIR)/data/valid model.vocab_size=512 data.total_steps=200 data.valid_every=40 monitor.log_every=20 adam.lr=1e-3 tokenizer=byte
 	$(PY) tools/plot_metrics.py $(DEMO_DIR)/run
 
-# the layering of internlm_core (.importlinter, docs/architecture.md), then the tests
+# pyflakes' rules over the repository (ruff, [tool.ruff] in pyproject.toml), the layering of internlm_core
+# (.importlinter, docs/architecture.md); `make test` runs them before the tests
 lint: $(STAMP)
+	$(VENV)/bin/ruff check .
 	$(VENV)/bin/lint-imports
 
 test: lint

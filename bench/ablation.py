@@ -57,7 +57,6 @@ def patch(variant: str) -> list[str]:
 
 
 def child(variant: str, steps: int, sets: list[str]) -> None:
-    sys.path.insert(0, str(ROOT))
     sets = sets + patch(variant)
     import logging
 

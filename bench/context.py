@@ -20,7 +20,6 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
 from train_runs import train_records, write_table  # noqa: E402
@@ -47,7 +46,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", default=str(ROOT / "build" / "bench_context"))
     args = ap.parse_args(argv)
     out = Path(args.out)
-    rows = [f"| case | ranks | job tokens/s | vs cp1 | attention bytes sent per step and rank | theory | ratio |",
+    rows = ["| case | ranks | job tokens/s | vs cp1 | attention bytes sent per step and rank | theory | ratio |",
             "|---|---:|---:|---:|---:|---:|---:|"]
     job = {}
     for name, (nproc, sets) in CASES.items():

@@ -50,7 +50,6 @@ def snapshot(pid: int) -> tuple[float, float, float]:
 
 
 def n_params_and_flops(config: str, overrides: list[str]) -> tuple[int, int, int]:
-    sys.path.insert(0, str(ROOT))
     from internlm_core.config import load_config
     from internlm_core.model import analytic_parameter_count, flops_per_token, model_args_from_config
     cfg = load_config(config, overrides)

@@ -11,12 +11,10 @@ import argparse
 import statistics
 import sys
 import time
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 B, T, H, D, HID, FFN, V = 4, 512, 4, 64, 256, 688, 8192
 

@@ -43,7 +43,6 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 PEERS_DIR = Path(os.environ.get("PEERS_DIR", ROOT.parent / "shared" / "bench" / "peers"))
-sys.path.insert(0, str(ROOT))
 
 SEQ_LEN, MICRO_BATCH, VOCAB = 512, 4, 512
 BOS, EOS, PAD = 256, 257, 258
@@ -277,7 +276,7 @@ def run_ours(corpus: str, data_dir: Path, out: Path, steps: int, mode: str) -> d
 def table(out: Path, corpora: list[str]) -> str:
     info = json.loads((out / "corpora.json").read_text())
     lines = ["real documents (byte tokenizer, vocab 512, micro batch 4 x 512; useful = non-padding tokens/s over "
-             f"the timed steps)"]
+             "the timed steps)"]
     for c in corpora:
         i = info[c]
         lines.append(f"  {c}: {i['documents']:,} documents, {i['tokens']:,} tokens, median {i['median_bytes']:.0f} bytes")

@@ -21,11 +21,8 @@ class instead, as InternLM's converters do (their remote modelling code reads it
 from __future__ import annotations
 
 import argparse
-import os
-import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from internlm_core.errors import InternLMCoreError  # noqa: E402
 

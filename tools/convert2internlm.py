@@ -16,11 +16,7 @@ optimizer state has no counterpart here.
 from __future__ import annotations
 
 import argparse
-import os
-import sys
 import time
-
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def parse_args(argv=None) -> argparse.Namespace:

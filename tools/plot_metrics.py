@@ -22,7 +22,6 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from internlm_core.errors import DataError  # noqa: E402
 

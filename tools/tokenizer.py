@@ -30,9 +30,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from internlm_core.errors import InternLMCoreError  # noqa: E402
 

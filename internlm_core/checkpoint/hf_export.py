@@ -188,7 +188,7 @@ class HFExporter:
 
     def _write(self, step: int, target: Any, mine: dict, t0: float, blocked: float) -> None:
         """The background part, on every rank in the same order (collectives on the export's group)."""
-        coll, name = self.coll, export_name(step)
+        coll = self.coll
         files: dict[str, int] = {}
         sums: dict[str, str] = {}
         ok, error = True, ""

@@ -15,7 +15,6 @@ from pathlib import Path
 from typing import Any, Optional
 
 import torch
-import torch.distributed as dist
 
 from ..config import Config, dump_yaml
 from ..config.loader import compat_lines, config_to_dict

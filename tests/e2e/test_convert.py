@@ -7,7 +7,6 @@ logits of the original Hugging Face model.
 
 import json
 import os
-import sys
 
 import pytest
 import torch

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers.ft import Lighthouse, kill_group, start_group, train_records, wait_for, wait_group
+from tests.helpers.ft import Lighthouse, start_group, train_records, wait_for, wait_group
 
 pytest.importorskip("torchft", reason="parallel.fault_tolerance needs torchft (requirements-dev.txt)")
 pytestmark = pytest.mark.slow

@@ -1,7 +1,6 @@
 """Monitoring through train.py as users run it: signals, the stop file, profilers, crashes and hangs."""
 
 import json
-import os
 import signal
 import socket
 import subprocess

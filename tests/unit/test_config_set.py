@@ -2,7 +2,6 @@
 line at load; `train.py --dry-run` checks what a run reads before its first step (evaluation task files)."""
 
 import json
-import sys
 
 import pytest
 
@@ -51,8 +50,7 @@ def test_set_values_that_call_anything_else_are_refused_in_one_line(text, part):
 
 
 def test_dry_run_reads_the_evaluation_task_files(tmp_path, capsys, monkeypatch):
-    sys.path.insert(0, str(ROOT))
-    import train
+    import train  # the repository root is on sys.path (pytest's rootdir)
 
     monkeypatch.chdir(tmp_path)
     base = ["--config", str(ROOT / "configs/tiny.py"), "--dry-run", "--set", "tokenizer=byte"]

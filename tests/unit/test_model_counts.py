@@ -4,7 +4,6 @@ adds its own terms (expert weights over an "ep" mesh dimension, all-to-all bytes
 import dataclasses
 
 import pytest
-import torch
 
 from internlm_core.config import load_config
 from internlm_core.errors import ConfigError
