@@ -22,6 +22,9 @@ from typing import Callable, Optional
 import torch
 import torch.nn.functional as F
 
+from gpu_rows_numerics import (compare_attention, row_context_mixed_dtypes, row_moe_grouped_sync,
+                               row_norm_autocast, row_torch_api_test)
+
 ROOT = Path(__file__).resolve().parents[1]
 SUPPORTED_TORCH = ((2, 11), (2, 15))  # requirements.txt and README state the same range
 CUDA = torch.device("cuda", 0)
@@ -63,25 +66,11 @@ def _trainer(cfg, run_dir: Path, callbacks=()):
 
 # ---- accelerators (first, where importable) ------------------------------------------------------------------------
 
-def _packed_batch(dtype, T=2048, lengths=(37, 900, 1, 611, 499, 1024, 1024), B=2, H=32, Hkv=4, D=64):
-    g = torch.Generator().manual_seed(0)
-    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
-    q, k, v = (torch.randn(B, T, h, D, generator=g).to(CUDA, dtype).requires_grad_() for h in (H, Hkv, Hkv))
-    return cu, q, k, v, torch.randn(B, T, H, D, generator=g).to(CUDA, dtype)
-
-
 def _attention_pair(backend: str, other: str) -> tuple[bool, str, str]:
-    """`backend` against `other` on one packed bf16 batch (mixed document lengths, grouped-query heads)."""
-    from internlm_core.model.attention import attention, build_packed_meta
-    cu, q, k, v, w = _packed_batch(torch.bfloat16)
-    B, T = q.shape[:2]
-    outs = {}
-    for name in (backend, other):
-        out = attention(q, k, v, build_packed_meta(cu, B, T, name, CUDA), name)
-        outs[name] = [out.float()] + [g.float() for g in torch.autograd.grad((out * w).sum(), (q, k, v))]
-    diff = max((a - b).abs().max().item() for a, b in zip(outs[backend], outs[other]))
-    scale = outs[other][0].abs().max().item()
-    return diff <= 0.02 * max(scale, 1.0), f"max diff {diff:.2e}", f"{backend} vs {other}: output and q/k/v gradients"
+    """`backend` in bf16 against `other` in fp32 on one packed batch (mixed document lengths, grouped-query heads):
+    the output and each of dq, dk, dv within its own allowance (bench/gpu_rows_numerics.tensor_errors: dv is ~5x
+    the output, one tolerance from the output's max failed two correct kernels)."""
+    return compare_attention(backend, other, CUDA)
 
 
 def row_flash_attention(out: Path):
@@ -396,4 +385,8 @@ ROWS = [
     Row("simulate 7B rank 0 of 8 on the GPU", row_simulate_7b, 170),
     Row("kernel choice, sdpa vs blocked attention", row_kernels, 20),
     Row("loss kernels bf16/fp16 vs fp32", row_loss_kernels, 30),
+    Row("context attention, fp32 q/k + bf16 v", row_context_mixed_dtypes, 20),
+    Row("MoE micro-batch, grouped GEMM, sync debug", row_moe_grouped_sync, 20),
+    Row("norm output dtype under CUDA autocast", row_norm_autocast, 30),
+    Row("torch API scan test (pytest -q)", row_torch_api_test, 60),
 ]

@@ -1,7 +1,9 @@
 # A ~1.1B Llama-style model (TinyLlama's shape) for one GPU: bf16, flash-attn's varlen kernel when importable
 # (model.attn_backend="auto"; SDPA with document masks otherwise), torch fused AdamW (apex when installed).
-# Run 30 steps and print tokens/s per GPU and MFU against 989 TFLOP/s (H100/H200 dense bf16):
-#   bash tools/gpu_check.sh                      # PY=python3 by default; COMPILE=1 adds model.compile=True
+# The GPU check (tools/gpu_check.sh, bench/gpu_rows.py) trains it 3 steps for its peak-memory row (the CUDA
+# allocator's peak beside estimate(device="cuda")) and reads its kernel choice; it measures no throughput.
+# Throughput: 30 steps, tokens/s per GPU (tgs) and MFU on the console line and in metrics.jsonl:
+#   python train.py --config configs/bench_gpu.py [--set model.compile=True]
 JOB_NAME = "bench_gpu"
 
 SEQ_LEN = 2048

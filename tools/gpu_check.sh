@@ -12,7 +12,13 @@
 # stage's per-step collectives (and refusing a host tensor); real trainer steps in bf16, fp16 and fp32 with
 # micro_num 2 under torch.cuda.set_sync_debug_mode("warn") (no host sync inside the micro-batch loop); one async
 # save and resume on CUDA; the CUDA allocator's peak (allocated, reserved) beside estimate(device="cuda");
-# `train.py --simulate 8 --simulate-device cuda` for rank 0 of 7B; the kernel choice and the loss kernels.
+# `train.py --simulate 8 --simulate-device cuda` for rank 0 of 7B; the kernel choice and the loss kernels; then
+# (bench/gpu_rows_numerics.py) the context-parallel attention fed fp32 q/k and a bf16 v, one MoE micro-batch through
+# the grouped GEMM under set_sync_debug_mode (its host syncs counted and located), the norms' output dtype under CUDA
+# autocast, and the torch API scan test (tests/unit/test_torch_api*.py, pytest -q).
+# A 16-bit kernel is compared with an fp32 reference tensor by tensor: each of out, dq, dk, dv may be off by 2% of
+# its own max or 4x a 16-bit reference implementation's own error, whichever is larger (dv is ~5x the output: one
+# tolerance from the output's max failed two correct kernels); a wrong mask is off by 5-50x more.
 #
 # Each row is printed and appended to out-dir/results.jsonl as it finishes; the whole is capped at CAP_S seconds
 # (default 420: 7 minutes). A row that cannot finish in the time left does not start, and one the cap cut off
