@@ -11,7 +11,7 @@ from ..errors import ConfigError
 LR_SCHEDULES = ("cosine", "wsd")
 DECAY_SHAPES = ("linear", "cosine", "1-sqrt")
 OPTIMIZERS = ("adamw", "muon")
-NS_DTYPES = ("float32", "bfloat16")
+NS_DTYPES = ("auto", "float32", "bfloat16")
 
 
 def _set_keys(section: Any, prefix: str) -> list[str]:

@@ -70,12 +70,15 @@ def build_muon(model: torch.nn.Module, cfg: AdamConfig, opt: OptimizerConfig,
               {"params": [p for p in rest if p.dim() >= 2], "weight_decay": cfg.weight_decay, "name": "decay"},
               {"params": [p for p in rest if p.dim() < 2], "weight_decay": 0.0, "name": "no_decay"}]
     groups = [g for g in groups if g["params"]]
+    ns_dtype = opt.muon_ns_dtype
+    if ns_dtype == "auto":  # bf16 matrix units on CUDA; most CPUs run bf16 matmuls far slower than fp32
+        ns_dtype = "bfloat16" if any(p.device.type == "cuda" for p in muon) else "float32"
     optimizer = Muon(groups, lr=cfg.lr, betas=(cfg.adam_beta1, cfg.adam_beta2), eps=cfg.adam_eps,
                      momentum=opt.muon_momentum, nesterov=opt.muon_nesterov, ns_coefficients=opt.muon_ns_coefficients,
-                     ns_steps=opt.muon_ns_steps, ns_dtype=opt.muon_ns_dtype, rms_scale=opt.muon_rms_scale,
+                     ns_steps=opt.muon_ns_steps, ns_dtype=ns_dtype, rms_scale=opt.muon_rms_scale,
                      ns_eps=opt.muon_eps)
     logger.info(f"optimizer: Muon for {len(muon)} matrices of the blocks (Newton-Schulz {opt.muon_ns_steps} steps in "
-                f"{opt.muon_ns_dtype}, update x {opt.muon_rms_scale} sqrt(max(rows, columns))), AdamW (single-tensor) "
+                f"{ns_dtype}, update x {opt.muon_rms_scale} sqrt(max(rows, columns))), AdamW (single-tensor) "
                 f"for {len(rest)} other tensors (embeddings, head, norms, biases, routers)")
     return optimizer
 

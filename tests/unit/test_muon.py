@@ -82,6 +82,7 @@ def test_split_hidden_matrices_muon_rest_adamw(model_type, extra):
     names = {id(p): n for n, p in model.named_parameters()}
     groups = {g["name"]: sorted(names[id(p)] for p in g["params"]) for g in opt.param_groups}
     muon = groups["muon"]
+    assert opt.param_groups[0]["ns_dtype"] == "float32"  # muon_ns_dtype "auto" on the CPU
     assert all(n.startswith("layers.") for n in muon)
     assert any("attention" in n for n in muon) and not any("norm" in n or n.endswith("bias") for n in muon)
     adamw = groups["decay"] + groups["no_decay"]
@@ -102,7 +103,7 @@ def test_split_hidden_matrices_muon_rest_adamw(model_type, extra):
 def test_config_rules():
     with pytest.raises(ConfigError, match=r"optimizer.muon_ns_steps: a key of Muon, but optimizer.name is 'adamw'"):
         build_config({"optimizer": {"muon_ns_steps": 3}})
-    with pytest.raises(ConfigError, match=r"optimizer.muon_ns_dtype: expected one of float32, bfloat16, got 'fp8'"):
+    with pytest.raises(ConfigError, match=r"optimizer.muon_ns_dtype: expected one of auto, float32, bfloat16, got 'fp8'"):
         build_config({"optimizer": {"name": "muon", "muon_ns_dtype": "fp8"}})
     with pytest.raises(ConfigError, match=r"optimizer.muon_momentum: expected a value in \[0, 1\), got 1.0"):
         build_config({"optimizer": {"name": "muon", "muon_momentum": 1.0}})
