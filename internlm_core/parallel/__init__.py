@@ -18,6 +18,7 @@ from ..numerics import Precision
 from ..utils.logging import get_logger
 from .activation_checkpoint import checkpoint_and_compile
 from .comm import CommCounter
+from .dtype_policy import apply_fp32_units, fsdp_wraps
 from .fsdp import apply_fsdp, apply_fsdp_to_dim_modules, mixed_precision_policy
 
 if TYPE_CHECKING:
@@ -80,7 +81,8 @@ def parallelize_model(model: nn.Module, spec: ModelSpec, options: ParallelOption
     A model built on the meta device (`build_model(inputs, "meta")`) is split, sharded and only then
     materialized on `device` and initialized from `seed` (default `options.seed`): no rank ever allocates more
     than its shards, and every layout starts from the same weights (model/init.py). Under FSDP, `precision`
-    sets its mixed precision policy (16-bit all-gathers, fp32 gradient reduction and master weights);
+    sets its mixed precision policy (16-bit all-gathers, fp32 gradient reduction and master weights; the
+    parameters a module keeps in fp32, the MoE router's gate, in FSDP units of their own: dtype_policy.py);
     `grad_reduce` "micro_batch" makes pipeline stages reduce-scatter every micro-batch's gradients.
     Returns (model, pipeline): `model` is what this rank trains, with the parameter names of the full
     model (under pipeline parallel only this rank's stages); `pipeline` runs the stages (None when
@@ -111,9 +113,11 @@ def parallelize_model(model: nn.Module, spec: ModelSpec, options: ParallelOption
     if dims.cp > 1:
         from .context import apply_context_parallel
         apply_context_parallel(model, dims, options.context_mode, options.context_inner, tuple(chunks))
-    if dims.dp_cp > 1:
+    if fsdp_wraps(dims):
         mp = mixed_precision_policy(precision.compute_dtype, precision.reduce_dtype) if precision else None
         apply_fsdp_to_dim_modules(dim_modules, dims, reshard_after_forward=dims.pp == 1, mp_policy=mp)
+        if mp is not None and mp.param_dtype is not None:  # 16-bit gathers: the fp32 gates get units of their own
+            apply_fp32_units(blocks, dims, dims.pp == 1, precision.reduce_dtype)
         apply_fsdp(blocks, chunks, dims, reshard_after_forward=dims.pp == 1, mp_policy=mp)
     if on_meta and device.type != "meta":
         materialize(model, device, options.seed if seed is None else seed)
@@ -170,4 +174,5 @@ def __getattr__(name: str):
 
 
 __all__ = ["CommCounter", "ParallelOptions", "PipelineParallel", "apply_family_dims", "apply_fsdp", "family_dims",
-           "parallel_options", "mixed_precision_policy", "checkpoint_and_compile", "parallelize_model", "split_model"]
+           "fsdp_wraps", "parallel_options", "mixed_precision_policy", "checkpoint_and_compile", "parallelize_model",
+           "split_model"]

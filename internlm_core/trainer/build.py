@@ -28,7 +28,7 @@ from ..monitor.trackers import TrackerHub, build_trackers
 from ..model import ModelInputs, build_model, count_parameters, model_args, model_flops_per_token, model_spec
 from ..numerics import Kernels, Precision, resolve_precision, select_kernels
 from ..optim import Beta2Scheduler, DynamicGradScaler, WarmupCosineLR, WarmupStableDecayLR, build_optimizer
-from ..parallel import CommCounter, family_dims, parallel_options, parallelize_model
+from ..parallel import CommCounter, family_dims, fsdp_wraps, parallel_options, parallelize_model
 from ..parallel.context import ContextCut
 from ..utils import collectives
 from ..utils.logging import get_logger
@@ -219,6 +219,8 @@ def build_trainer(cfg: Config, launch: LaunchInfo, run_dir: Path, seed: Optional
     inputs = cfg.model_inputs()
     dims = ParallelDims.from_config(cfg.parallel, launch.world_size, extra=family_dims(model_spec(inputs), cfg.parallel, launch.world_size, inputs))
     dims.build_mesh(launch.device.type)
+    precision = precision.under_fsdp(fsdp_wraps(dims))  # FSDP's policy casts: no autocast (numerics/precision.py)
+    logger.info(precision.describe())
     kernels = build_kernels(cfg, precision, launch.device, dims)
     inputs = dataclasses.replace(inputs, expert_gemm=kernels.expert_gemm)  # the MoE layers' kernel, chosen once
     if not simulated:  # before any large allocation; --simulate checks its one rank itself (simulate.check_fits)

@@ -133,3 +133,28 @@ def test_q_k_norm_families_under_cuda_rules_forward_and_backward(model_type, bac
     assert ruled[1].keys() == plain[1].keys() and any("q_norm" in n for n in plain[1])
     for name, g in plain[1].items():
         assert torch.isfinite(g).all() and torch.equal(ruled[1][name], g), name
+
+
+def test_one_caster_fsdp_policy_or_autocast_never_both():
+    """numerics/precision.py's policy: a 16-bit run under FSDP computes without autocast (FSDP's policy casts);
+    without FSDP autocast casts; fp32 never casts. parallel/dtype_policy.py decides when FSDP wraps the model."""
+    from internlm_core.distributed import ParallelDims
+    from internlm_core.numerics import resolve_precision
+    from internlm_core.parallel.dtype_policy import fp32_modules, fsdp_wraps
+    bf16 = resolve_precision("torch.bfloat16", "cuda")
+    sharded = bf16.under_fsdp(True)
+    assert bf16.uses_autocast and not bf16.fsdp_casts
+    assert sharded.fsdp_casts and not sharded.uses_autocast and sharded.compute_dtype == BF16
+    assert "FSDP gathers 16-bit parameters, no autocast" in sharded.describe()
+    assert "(autocast)" in bf16.describe() and bf16.under_fsdp(False) == bf16
+    fp32 = resolve_precision("torch.float32", "cpu")
+    assert fp32.under_fsdp(True) == fp32 and not fp32.under_fsdp(True).uses_autocast
+    with resolve_precision("torch.bfloat16", "cpu").under_fsdp(True).autocast():
+        assert not torch.is_autocast_enabled("cpu")
+    assert [fsdp_wraps(ParallelDims(world_size=w, **kw)) for w, kw in
+            ((1, {}), (2, {}), (2, {"tp": 2}), (2, {"pp": 2}))] == [False, True, False, False]
+    moe, _ = _model("QWEN3_MoE", "sdpa")
+    gates = fp32_modules(list(moe.layers.values()))
+    assert len(gates) == 2 and all(type(g).__name__ == "Router" and g.fsdp_param_dtype == torch.float32
+                                   for g in gates)
+    assert fp32_modules(list(_model("QWEN3", "sdpa")[0].layers.values())) == []

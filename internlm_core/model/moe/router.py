@@ -62,7 +62,11 @@ def local_tensor(t: torch.Tensor) -> torch.Tensor:
 
 class Router(nn.Module):
     """The gate: `weight` [E, h] (fp32 logits whatever the compute dtype, as InternEvo's "always fp32" gate) and,
-    with aux-loss-free balancing, the persistent `expert_bias` [E] buffer (checkpointed, no gradient)."""
+    with aux-loss-free balancing, the persistent `expert_bias` [E] buffer (checkpointed, no gradient).
+    `fsdp_param_dtype`: under FSDP's 16-bit policy the gate is a unit of its own gathered in fp32
+    (parallel/dtype_policy.py), so its logits are those of the fp32 weight, as on one device."""
+
+    fsdp_param_dtype = torch.float32
 
     def __init__(self, hidden_size: int, args: MoEArgs, init_std: float = 0.02):
         super().__init__()
