@@ -1,57 +1,40 @@
-"""Meta's original Llama folders (ckpt_type "llama"; InternEvo's configs write "LLAMA"): `params.json` and
-`consolidated.00.pth` ... `consolidated.NN.pth`, one state dict per model-parallel rank of the run that saved them.
+"""Folders of one `.pth` state dict per model-parallel rank plus a config file (ckpt_type "llama": Meta's original
+Llama folders; InternEvo's configs write "LLAMA"), read into any layout of internlm-core.
 
-Read into any layout of internlm-core through the model family's "llama" adapter (model/llama/meta.py), which
-merges the model-parallel shards and puts q/k rows into our rotary order. As InternEvo's loader, a folder without
-`consolidated.*.pth` files may hold other `*.pth` files, taken in name order as model-parallel ranks 0, 1, ...
-Every file is read with `torch.load(weights_only=True)` (safetensors_io.safe_load): tensors and plain containers
-only, memory-mapped, so that the reading rank holds one layer at a time.
+What such a folder holds is the family's knowledge, in its adapter of that format (model/llama/meta.py: the
+files' names and order, `params.json`, merging the model-parallel shards, the rotary order of q/k rows); this
+module is the generic reader: it finds the adapter, checks the model against the folder's config and hands the
+adapter each layer's tensors of every shard. Every file is read with `torch.load(weights_only=True)`
+(safetensors_io.safe_load): tensors and plain containers only, memory-mapped, so that the reading rank holds one
+layer at a time.
 """
 
 from __future__ import annotations
 
 import os
-import re
 from pathlib import Path
 from typing import Any, Mapping, Optional
 
 import torch
 
 from ..errors import CheckpointError
+from ..model.spec import StateDictAdapter
 from .foreign import check_model_keys, context, find_adapter, load_full_state, select_layers
 from .safetensors_io import read_json, safe_load
 
-PARAMS = "params.json"
-_CONSOLIDATED = re.compile(r"^consolidated\.(\d+)\.pth$")
+FORMAT = "llama"  # the ckpt_type of these folders (restore.FOREIGN_LOADERS)
 
 
-def meta_llama_files(folder: str | os.PathLike) -> list[Path]:
-    """The model-parallel shards of a Meta folder, in rank order (CheckpointError when there are none)."""
-    d = Path(folder)
-    if not d.is_dir():
-        raise CheckpointError(f"{d}: Meta Llama checkpoint folder not found")
-    found = sorted(((int(m.group(1)), p) for p in d.iterdir() if (m := _CONSOLIDATED.match(p.name))))
-    if found:
-        ranks = [r for r, _ in found]
-        if ranks != list(range(len(ranks))):
-            raise CheckpointError(f"{d}: consolidated.*.pth numbered {ranks}; expected 00 to {len(ranks) - 1:02d}")
-        return [p for _, p in found]
-    other = sorted(p for p in d.iterdir() if p.suffix in (".pth", ".pt") and p.is_file())
-    if not other:
-        raise CheckpointError(f"{d}: no consolidated.NN.pth (or other .pth) files of a Meta Llama checkpoint")
-    return other
+def _folder_config(adapter: StateDictAdapter, folder: str | os.PathLike) -> dict:
+    """Our `model` keys of the model in `folder`, from its config file as the family's adapter reads it."""
+    path = Path(folder) / adapter.config_file
+    return adapter.config_from_foreign(read_json(path), str(path))  # type: ignore[misc, call-arg]
 
 
-def is_meta_llama_folder(folder: str | os.PathLike) -> bool:
-    """True when `folder` holds a params.json and consolidated.NN.pth files."""
-    d = Path(folder)
-    return (d / PARAMS).is_file() and any(_CONSOLIDATED.match(p.name) for p in d.iterdir())
-
-
-def config_from_meta_llama(folder: str | os.PathLike, model_type: Optional[str] = "LLAMA") -> dict:
-    """Our `model` keys of the model in a Meta folder (from its params.json)."""
-    path = Path(folder) / PARAMS
-    return find_adapter(model_type, "llama").config_from_foreign(read_json(path), str(path))  # type: ignore[misc, call-arg]
+def config_from_pth_folder(folder: str | os.PathLike, model_type: Optional[str] = None) -> dict:
+    """Our `model` keys of the model in a folder of this format (model_type: the family whose adapter reads it;
+    None: the first registered family that has one)."""
+    return _folder_config(find_adapter(model_type, FORMAT, where=f"{folder}: ckpt_type {FORMAT}: "), folder)
 
 
 def _shards(files: list[Path]) -> dict[int, Mapping[str, torch.Tensor]]:
@@ -64,18 +47,19 @@ def _shards(files: list[Path]) -> dict[int, Mapping[str, torch.Tensor]]:
     return out
 
 
-def load_meta_llama(model: torch.nn.Module, folder: str | os.PathLike, model_type: Optional[str] = None,
+def load_pth_folder(model: torch.nn.Module, folder: str | os.PathLike, model_type: Optional[str] = None,
                     strict: bool = True) -> list[str]:
-    """Load a Meta Llama folder (any number of model-parallel shards) into our built `model` (any layout);
-    returns the names this rank loaded. The model's shape, rotary base and norm epsilon must match params.json."""
-    adapter = find_adapter(model_type, "llama", where=f"{folder}: ckpt_type llama: ")
+    """Load a folder of this format (any number of model-parallel shards) into our built `model` (any layout);
+    returns the names this rank loaded. The model's shape, rotary base and norm epsilon must match the folder's
+    config."""
+    adapter = find_adapter(model_type, FORMAT, where=f"{folder}: ckpt_type {FORMAT}: ")
     args = getattr(model, "args", None)
     if args is None:
-        raise CheckpointError("a Meta Llama checkpoint loads into internlm-core's model (it has no .args here)")
-    path = Path(folder) / PARAMS
-    keys = adapter.config_from_foreign(read_json(path), str(path))  # type: ignore[misc, call-arg]
-    check_model_keys(args, keys, str(path), "the Meta Llama params.json", numerics=True)
-    files = meta_llama_files(folder)
+        raise CheckpointError(f"a ckpt_type {FORMAT} folder loads into internlm-core's model (it has no .args here)")
+    keys = _folder_config(adapter, folder)
+    check_model_keys(args, keys, str(Path(folder) / adapter.config_file), f"the folder's {adapter.config_file}",
+                     numerics=True)
+    files = adapter.shard_files(folder)  # type: ignore[misc]
     state: dict[str, Any] = {}  # the shards, read once (memory-mapped) by the reading rank
 
     def read(metas: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

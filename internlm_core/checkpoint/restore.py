@@ -22,7 +22,7 @@ from .catalog import CheckpointRef
 from .collectives import Collectives
 from .hf import load_hf
 from .internlm_format import load_internlm
-from .meta_llama import load_meta_llama
+from .pth_shards import load_pth_folder
 from .registry import StateRegistry
 from .safe_dcp import (DCP_ERRORS, SafeFileSystemReader, SafeLoadPlanner, describe, flat_keys, read_dcp_metadata,
                        unwrap)
@@ -37,7 +37,7 @@ FOREIGN_LOADERS: dict[str, Callable[[torch.nn.Module, Path, Optional[str]], list
     "hf": load_hf,
     "hf_llama": load_hf,
     "internlm": load_internlm,
-    "llama": load_meta_llama,
+    "llama": load_pth_folder,
 }
 if set(FOREIGN_LOADERS) != set(FOREIGN_CKPT_TYPES):
     raise ImportError(f"checkpoint/restore.py FOREIGN_LOADERS {sorted(FOREIGN_LOADERS)} must have one loader for each "

@@ -172,6 +172,9 @@ class StateDictAdapter:
     for what the family cannot represent). architectures: the HF classes this adapter reads and writes;
     hf_model_types: config.json's `model_type` of each (the same order), which names the class of a folder whose
     config.json lacks `architectures`.
+    A format of one file per model-parallel rank (Meta's "llama") names its folder's layout: config_file (the
+    foreign config in the folder, e.g. params.json) and shard_files(folder) -> the rank files in rank order
+    (CheckpointError when there are none); checkpoint/pth_shards.py reads such folders for any family.
     """
 
     format: str
@@ -182,6 +185,8 @@ class StateDictAdapter:
     architectures: tuple[str, ...] = ()
     hf_model_types: tuple[str, ...] = ()
     description: str = ""
+    config_file: str = ""
+    shard_files: Optional[Callable[[Any], list]] = None
 
 
 def _no_op(*args: Any) -> None:

@@ -43,10 +43,10 @@ JOBS = [(f, lay) for lay in LAYOUTS for f in FORMATS]
 
 
 def model_sets(fmt: str, root: Path) -> list[str]:
-    from internlm_core.checkpoint.meta_llama import config_from_meta_llama
+    from internlm_core.checkpoint.pth_shards import config_from_pth_folder
     model_type, _, extra = FORMATS[fmt]
     if fmt == "meta":
-        extra = [f"model.{k}={v}" for k, v in config_from_meta_llama(root / "meta").items()]
+        extra = [f"model.{k}={v}" for k, v in config_from_pth_folder(root / "meta").items()]
     return [f"model_type={model_type}", *SHAPE, *extra]
 
 

@@ -17,7 +17,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 transformers = pytest.importorskip("transformers")
 
-from internlm_core.checkpoint.meta_llama import config_from_meta_llama, load_meta_llama  # noqa: E402
+from internlm_core.checkpoint.pth_shards import config_from_pth_folder, load_pth_folder  # noqa: E402
 from internlm_core.config import load_config  # noqa: E402
 from internlm_core.errors import CheckpointError  # noqa: E402
 from internlm_core.model import AdapterContext, build_model  # noqa: E402
@@ -58,7 +58,7 @@ def hf_from_meta(p: dict, full: dict):
 
 
 def our_llama(folder, *extra):
-    keys = config_from_meta_llama(folder)
+    keys = config_from_pth_folder(folder)
     sets = [f"model.{k}={v}" for k, v in keys.items()]
     if "vocab_size" not in keys:
         sets.append(f"model.vocab_size={VOCAB}")
@@ -75,7 +75,7 @@ def test_meta_folder_gives_the_logits_of_the_transformers_conversion(tmp_path, p
     assert keys["num_kv_attention_heads"] == (params.get("n_kv_heads") or params["n_heads"])
     assert keys["intermediate_size"] == full["layers.0.feed_forward.w1.weight"].shape[0]
     assert keys["rope_base"] == params.get("rope_theta", 10000.0)
-    loaded = load_meta_llama(model, tmp_path)
+    loaded = load_pth_folder(model, tmp_path)
     assert sorted(loaded) == sorted(model.state_dict())
     hf = hf_from_meta(params, full)
     ids = torch.randint(0, VOCAB, (2, 64), generator=torch.Generator().manual_seed(1))
@@ -109,33 +109,33 @@ def test_refusals_name_the_file_and_what_was_expected(tmp_path):
     full = meta_weights(LLAMA3)
     write_meta_folder(tmp_path / "a", LLAMA3, full, mp=2, embed_dim=0)
     model, _ = our_llama(tmp_path / "a", "model.rope_base=10000.0")
-    with pytest.raises(CheckpointError, match=r"the model does not match the Meta Llama params.json \(rope_base: "
+    with pytest.raises(CheckpointError, match=r"the model does not match the folder's params.json \(rope_base: "
                                               r"model 10000.0 vs .*params.json 500000.0\)"):
-        load_meta_llama(model, tmp_path / "a")
+        load_pth_folder(model, tmp_path / "a")
     internlm = build_model(load_config("configs/tiny.py", ["model_type=INTERNLM"]))
     with pytest.raises(CheckpointError, match="ckpt_type llama: model_type INTERNLM has no llama checkpoint adapter"):
-        load_meta_llama(internlm, tmp_path / "a", "INTERNLM")
+        load_pth_folder(internlm, tmp_path / "a", "INTERNLM")
     scaled = dict(LLAMA3, use_scaled_rope=True)
     (tmp_path / "a" / "params.json").write_text(json.dumps(scaled))
     with pytest.raises(CheckpointError, match=r"params.json: use_scaled_rope=true .* not implemented"):
-        config_from_meta_llama(tmp_path / "a")
+        config_from_pth_folder(tmp_path / "a")
     # a shard that is not plain data is refused by torch.load(weights_only=True), the file named
     write_meta_folder(tmp_path / "b", LLAMA3, full, mp=2, embed_dim=0)
     torch.save({"x": torch.ones(1), "code": torch.nn.Linear(1, 1)}, tmp_path / "b" / "consolidated.01.pth")
     model, _ = our_llama(tmp_path / "b")
     with pytest.raises(CheckpointError, match=r"consolidated.01.pth: not a plain tensor file, refused by "
                                               r"torch.load\(weights_only=True\)"):
-        load_meta_llama(model, tmp_path / "b")
+        load_pth_folder(model, tmp_path / "b")
     write_meta_folder(tmp_path / "c", LLAMA3, full, mp=2, embed_dim=0)
     shard = torch.load(tmp_path / "c" / "consolidated.01.pth", weights_only=True)
     del shard["layers.1.ffn_norm.weight"]
     torch.save(shard, tmp_path / "c" / "consolidated.01.pth")
     with pytest.raises(CheckpointError, match="'layers.1.ffn_norm.weight' is in shard 0 but not in shard 1"):
-        load_meta_llama(model, tmp_path / "c")
+        load_pth_folder(model, tmp_path / "c")
     (tmp_path / "d").mkdir()
     (tmp_path / "d" / "params.json").write_text(json.dumps(LLAMA3))
     with pytest.raises(CheckpointError, match="no consolidated.NN.pth \\(or other .pth\\) files"):
-        load_meta_llama(model, tmp_path / "d")
+        load_pth_folder(model, tmp_path / "d")
 
 
 def test_internevo_spellings_of_the_type():
@@ -145,7 +145,7 @@ def test_internevo_spellings_of_the_type():
         cfg = load_config("configs/tiny.py", [f"ckpt.load_ckpt_info={{'path': '/x', 'content': ('model',), "
                                               f"'ckpt_type': '{spelling}'}}"])
         assert cfg.ckpt.load_ckpt_info.ckpt_type == kind
-    assert FOREIGN_LOADERS["llama"] is load_meta_llama
+    assert FOREIGN_LOADERS["llama"] is load_pth_folder
 
 
 def test_hf_pytorch_model_bin_loads_as_safetensors_do(tmp_path):

@@ -21,7 +21,9 @@ then odds: the permutation of transformers' convert_llama_weights_to_hf) and bac
 
 from __future__ import annotations
 
+import os
 import re
+from pathlib import Path
 from typing import Any, Mapping, Optional
 
 import torch
@@ -155,6 +157,29 @@ def config_from_meta(params: Mapping[str, Any], where: str = "params.json") -> d
     return out
 
 
+PARAMS = "params.json"
+_CONSOLIDATED = re.compile(r"^consolidated\.(\d+)\.pth$")
+
+
+def meta_llama_files(folder: str | os.PathLike) -> list[Path]:
+    """The model-parallel shards of a Meta folder, in rank order (CheckpointError when there are none). As
+    InternEvo's loader, a folder without `consolidated.*.pth` files may hold other `*.pth` files, taken in name
+    order as model-parallel ranks 0, 1, ..."""
+    d = Path(folder)
+    if not d.is_dir():
+        raise CheckpointError(f"{d}: Meta Llama checkpoint folder not found")
+    found = sorted(((int(m.group(1)), p) for p in d.iterdir() if (m := _CONSOLIDATED.match(p.name))))
+    if found:
+        ranks = [r for r, _ in found]
+        if ranks != list(range(len(ranks))):
+            raise CheckpointError(f"{d}: consolidated.*.pth numbered {ranks}; expected 00 to {len(ranks) - 1:02d}")
+        return [p for _, p in found]
+    other = sorted(p for p in d.iterdir() if p.suffix in (".pth", ".pt") and p.is_file())
+    if not other:
+        raise CheckpointError(f"{d}: no consolidated.NN.pth (or other .pth) files of a Meta Llama checkpoint")
+    return other
+
+
 META_LLAMA = StateDictAdapter(format="llama", to_foreign=to_meta, from_foreign=from_meta,
-                              config_from_foreign=config_from_meta,
+                              config_from_foreign=config_from_meta, config_file=PARAMS, shard_files=meta_llama_files,
                               description="Meta's original Llama folder (params.json, consolidated.NN.pth)")
