@@ -57,7 +57,7 @@ def test_beats_keep_it_quiet_and_it_refires_once_per_period(caplog):
 
 def test_stop_is_prompt_and_callback_wiring():
     wd = HangWatchdog(60)
-    wd.on_train_start(trainer=None)
+    wd.on_train_start(None)  # the StepView it observes (unused by the watchdog)
     wd.on_step_end(None, {"step": 3})
     assert wd.last_step == 3
     t0 = time.monotonic()
