@@ -38,7 +38,8 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def main(argv=None, extra_callbacks=None) -> int:
-    """Run training; `extra_callbacks` (TrainerCallback objects) let a driver script observe or steer the run."""
+    """Run training; `extra_callbacks` (TrainerCallback objects) let a driver script observe the run (a StepView per
+    event) and ask for a save or a stop of the current step (`view.requests`)."""
     args = parse_args(argv)
     from internlm_core.config import load_config
     from internlm_core.distributed import destroy_distributed, init_distributed
