@@ -8,8 +8,11 @@
 The uses: an AST scan of internlm_core/, tools/, bench/ and train.py for every chain rooted at a torch import
 (`torch.distributed.fsdp.fully_shard`, `dist.all_gather_into_tensor` after `import torch.distributed as dist`,
 `F.silu` after `import torch.nn.functional as F`, `from torch.a import b`, and the string of `getattr`/`hasattr`
-on a torch module). A chain is checked up to its first part that is not a module: `dist.ReduceOp.SUM` checks that
-torch.distributed has `ReduceOp`, not what the class holds; methods of tensors (`x.foo()`) are not seen.
+on a torch module). A chain is checked up to its first part that is not a module and, where that part is a class
+the sources define, the member after it (`dist.ReduceOp.SUM`, `PipelineStage._warmup_backward_result`). A call's
+keyword arguments are checked against the callable's signature in each version (its def, overloads united; a
+class's __new__ and __init__, or a dataclass's fields; **kwargs takes any). Methods called on objects (`x.foo()`,
+`module.set_custom_all_gather(...)`) are not seen: the scan cannot tell what `x` is.
 
 The API of a version: read from its wheel's own Python sources, which are the same on every platform (pip download
 torch==V --no-deps --only-binary=:all: --platform macosx_11_0_arm64, macosx_14_0_arm64 from 2.12 on). A module's
@@ -17,9 +20,10 @@ names are what its top level defines, in any branch of an if/try (a superset: a 
 platform counts): functions, classes, assignments, imports (a star import brings the other module's `__all__`, or
 its public names), and its submodules. Torch's C extension is read from the .pyi stubs the wheel ships beside it
 (torch/_C/*.pyi); `torch` also gets every name of torch._C._VariableFunctions, private ones too, as
-torch/__init__.py copies them in a loop. `torch.ops` is not checked (DYNAMIC). The fixture of a version keeps, for
-each module the package reaches, all of its names, so a new use inside a known module is checked without a
-download; a use reaching a module the fixture lacks says to regenerate it.
+torch/__init__.py copies them in a loop. `torch.ops` is not checked (DYNAMIC); a name only the C extension defines
+without a stub is reported missing (never passed unseen). The fixture of a version keeps, for each module the
+package reaches, all of its names, so a new use inside a known module is checked without a download; a use reaching
+a module, a class member or a keyword call the fixture was written without says to regenerate it.
 
 Names that differ between the supported versions go through internlm_core/utils/torch_compat.py, behind its version
 checks: its uses need to exist in one supported version only.
@@ -57,9 +61,11 @@ Chain = tuple[str, ...]
 
 @dataclass(frozen=True)
 class Use:
-    """One torch name the code reaches: the chain (`("torch", "distributed", "all_gather_into_tensor")`), where."""
+    """One torch name the code reaches: the chain (`("torch", "distributed", "all_gather_into_tensor")`), where,
+    and for a call the keyword arguments it passes."""
     chain: Chain
     where: str
+    keywords: tuple[str, ...] = ()
 
     @property
     def dotted(self) -> str:
@@ -123,6 +129,10 @@ def uses_in(rel: str, source: str) -> list[Use]:
             chain = _probe(node, aliases)
         if chain is not None and len(chain) > 1:
             found.append(Use(chain, f"{rel}:{node.lineno}"))
+        if isinstance(node, ast.Call) and any(k.arg for k in node.keywords):
+            called = _chain(node.func, aliases)
+            if called is not None and len(called) > 1:
+                found.append(Use(called, f"{rel}:{node.lineno}", tuple(k.arg for k in node.keywords if k.arg)))
     return found
 
 
@@ -155,22 +165,45 @@ def missing_part(chain: Chain, api: dict) -> Optional[str]:
             continue
         if parent not in modules or chain[i] not in modules[parent]:
             return dotted
-        if i + 1 < len(chain) and dotted in classes and chain[i + 1] not in classes[dotted]:
+        if i + 1 < len(chain) and dotted not in classes:
+            return f"{dotted} in the fixture's classes: regenerate it"
+        if i + 1 < len(chain) and classes[dotted] is not None and chain[i + 1] not in classes[dotted]:
             return f"{dotted}.{chain[i + 1]}"
         return None
     return None if ".".join(chain) in modules else ".".join(chain)
 
 
+def missing_keywords(use: Use, api: dict) -> list[str]:
+    """The keywords of a call that the callable's signature in `api` does not take (none where its sources cannot
+    say: the fixture holds null, e.g. for a function made by an assignment); ["..."] where the fixture has no entry
+    for it (written before the call was: regenerate)."""
+    signatures = api.get("signatures", {})
+    if not use.keywords:
+        return []
+    if use.dotted not in signatures:
+        return ["..."]
+    signature = signatures[use.dotted]
+    if signature is None or signature["var_kw"]:
+        return []
+    return [k for k in use.keywords if k not in signature["params"]]
+
+
 def missing(uses: Iterable[Use], api: dict) -> list[str]:
-    """`path:line torch.x.name` of every use `api` lacks (DYNAMIC prefixes not checked)."""
+    """`path:line torch.x.name` of every use `api` lacks, and `path:line torch.x.f(k=)` of every keyword a call
+    passes that the callable does not take (DYNAMIC prefixes not checked)."""
     out = []
     for use in uses:
-        if not dynamic(use.chain):
-            part = missing_part(use.chain, api)
-            if part is not None and not part.startswith(use.dotted):
-                out.append(f"{use.where} {use.dotted} (no {part})")
-            elif part is not None:
-                out.append(f"{use.where} {use.dotted}")
+        if dynamic(use.chain):
+            continue
+        part = missing_part(use.chain, api)
+        if part is not None and not part.startswith(use.dotted):
+            out.append(f"{use.where} {use.dotted} (no {part})")
+        elif part is not None:
+            out.append(f"{use.where} {use.dotted}")
+        else:
+            out += [f"{use.where} {use.dotted}({k}=)" if k != "..." else
+                    f"{use.where} {use.dotted}(...) (the fixture has no signature for it: regenerate it)"
+                    for k in missing_keywords(use, api)]
     return sorted(set(out))
 
 
@@ -359,31 +392,35 @@ class Wheel:
             return listed
         return {n for n in self.names(module) if not n.startswith("_")}
 
-    def _binding(self, module: str, name: str, depth: int = 0) -> Optional[tuple[str, ast.ClassDef]]:
-        """The class `name` is in `module` ((its module, its definition)), following imports; None where the
-        sources do not define it as a class (a C type without a stub class, an assignment, another package)."""
+    def _defs(self, module: str, name: str, depth: int = 0) -> Optional[tuple[str, list[ast.stmt]]]:
+        """The defs and classes named `name` at the top level of the module that defines it for `module` (several:
+        overloads), following imports within torch; None where no source of the wheel holds one."""
         if depth > 12 or module not in self.texts:
             return None
-        stars = []
+        here, stars, imported = [], [], []
         for tree in self.trees(module):
             for stmt in _top_level(tree.body):
-                if isinstance(stmt, ast.ClassDef) and stmt.name == name:
-                    return module, stmt
-                if isinstance(stmt, ast.ImportFrom):
+                if isinstance(stmt, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)) and stmt.name == name:
+                    here.append(stmt)
+                elif isinstance(stmt, ast.ImportFrom):
                     source = self._source_module(module, stmt)
-                    for a in stmt.names:
-                        if a.name == "*":
-                            stars.append(source)
-                        elif (a.asname or a.name) == name and source.split(".")[0] == "torch":
-                            found = self._binding(source, a.name, depth + 1)
-                            if found:
-                                return found
-        for source in stars:
-            if name in self.names(source):
-                found = self._binding(source, name, depth + 1)
-                if found:
-                    return found
+                    stars += [source for a in stmt.names if a.name == "*"]
+                    imported += [(source, a.name) for a in stmt.names if (a.asname or a.name) == name
+                                 and source.split(".")[0] == "torch"]
+        if here:
+            return module, here
+        for source, original in imported + [(source, name) for source in stars if name in self.names(source)]:
+            found = self._defs(source, original, depth + 1)
+            if found:
+                return found
         return None
+
+    def _binding(self, module: str, name: str) -> Optional[tuple[str, ast.ClassDef]]:
+        """The class `name` is in `module` ((its module, its definition)), following imports; None where the
+        sources do not define it as a class (a C type without a stub class, an assignment, another package)."""
+        found = self._defs(module, name)
+        classes = [d for d in (found[1] if found else []) if isinstance(d, ast.ClassDef)]
+        return (found[0], classes[-1]) if classes else None
 
     def _base(self, module: str, node: ast.expr) -> Optional[tuple[str, ast.ClassDef]] | bool:
         """A base class (or metaclass) expression of a class of `module`: its torch class, False where it is
@@ -445,6 +482,63 @@ class Wheel:
                 names |= inherited
         return names
 
+    def _member_defs(self, module: str, cls: ast.ClassDef, name: str, depth: int = 0) -> Optional[list[ast.stmt]]:
+        """The defs named `name` in class `cls` of `module` or, first found, its torch bases' ([]: none of them
+        defines it; None: a torch base the sources do not define)."""
+        own = [d for d in cls.body if isinstance(d, (ast.FunctionDef, ast.AsyncFunctionDef)) and d.name == name]
+        if own or depth > 12:
+            return own
+        for base in cls.bases:
+            resolved = self._base(module, base)
+            if resolved is None:
+                return None
+            if resolved:
+                found = self._member_defs(resolved[0], resolved[1], name, depth + 1)
+                if found is None or found:
+                    return found
+        return []
+
+    def _fields(self, module: str, cls: ast.ClassDef, depth: int = 0) -> Optional[set[str]]:
+        """A dataclass's fields (its bases' too); None where `cls` is no dataclass."""
+        if not any("dataclass" in ast.unparse(d) for d in cls.decorator_list) or depth > 12:
+            return None
+        fields = {t.id for t in (d.target for d in cls.body if isinstance(d, ast.AnnAssign)) if isinstance(t, ast.Name)
+                  and "ClassVar" not in ast.unparse(next(d for d in cls.body if isinstance(d, ast.AnnAssign)
+                                                          and d.target is t).annotation)}
+        for base in cls.bases:
+            resolved = self._base(module, base)
+            if resolved:
+                fields |= self._fields(resolved[0], resolved[1], depth + 1) or set()
+        return fields
+
+    def signature(self, chain: Chain) -> Optional[dict]:
+        """{"params": the names a call may pass by keyword, "var_kw": whether it takes **kwargs} of the function,
+        class (its __init__, or a dataclass's fields) or class member `chain` names; None where the sources
+        cannot say."""
+        i = 1
+        while i < len(chain) and self.is_module(".".join(chain[:i + 1])):
+            i += 1
+        rest = chain[i:]
+        found = self._defs(".".join(chain[:i]), rest[0]) if 1 <= len(rest) <= 2 else None
+        if found is None:
+            return None
+        where, defs = found
+        classes = [d for d in defs if isinstance(d, ast.ClassDef)]
+        if classes and len(rest) == 2:
+            defs = self._member_defs(where, classes[-1], rest[1])
+        elif classes and self._fields(where, classes[-1]) is None:
+            # a call of the class goes to its __new__ and its __init__: a keyword either takes is taken
+            both = [self._member_defs(where, classes[-1], m) for m in ("__new__", "__init__")]
+            defs = None if None in both else both[0] + both[1]
+        elif classes:
+            return {"params": sorted(self._fields(where, classes[-1])), "var_kw": False}
+        elif len(rest) == 2:
+            return None
+        if not defs:
+            return None
+        params = {a.arg for d in defs for a in [*d.args.args, *d.args.kwonlyargs]}
+        return {"params": sorted(params), "var_kw": any(d.args.kwarg is not None for d in defs)}
+
     def is_module(self, dotted: str) -> bool:
         return dotted in self.texts or dotted in self.children
 
@@ -474,6 +568,7 @@ def extract(wheel: Wheel, uses: Iterable[Use]) -> dict:
     names."""
     modules = {"torch": sorted(wheel.names("torch"))}
     classes: dict[str, list[str]] = {}
+    signatures: dict[str, dict] = {}
     for use in uses:
         for i in range(2, len(use.chain) + 1):
             dotted = ".".join(use.chain[:i])
@@ -481,15 +576,18 @@ def extract(wheel: Wheel, uses: Iterable[Use]) -> dict:
                 modules[dotted] = sorted(wheel.names(dotted))
                 continue
             parent = ".".join(use.chain[:i - 1])
-            members = wheel.class_names(parent, use.chain[i - 1]) if i < len(use.chain) else None
-            if members is not None:
-                classes[dotted] = sorted(members)
+            if i < len(use.chain):  # a member after it: the class's names (None: not a class its sources define)
+                members = wheel.class_names(parent, use.chain[i - 1])
+                classes[dotted] = None if members is None else sorted(members)
             break
+        if use.keywords:
+            signatures[use.dotted] = wheel.signature(use.chain)  # None: its sources cannot say (not checked)
     return {"torch_version": wheel.version, "wheel": wheel.path.name,
             "how": "tools/torch_api_names.py extract: module -> the names its sources and stubs define; class -> "
                    "the names its body, its torch bases and its metaclass define (only the classes the package "
                    "reaches into)",
-            "modules": dict(sorted(modules.items())), "classes": dict(sorted(classes.items()))}
+            "modules": dict(sorted(modules.items())), "classes": dict(sorted(classes.items())),
+            "signatures": dict(sorted(signatures.items()))}
 
 
 # ---- the command line -----------------------------------------------------------------------------------------------

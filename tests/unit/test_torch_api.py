@@ -6,7 +6,8 @@ internlm_core/utils/torch_compat.py.
 
 Before issue 33's fix the first test failed with
   internlm_core/utils/collectives.py:131 torch.distributed.all_gather_single: not in torch 2.11.0
-(and the same for reduce_scatter_single, and PipelineStage._warmup_backward_result in 2.11 and 2.15).
+(and the same for reduce_scatter_single, and PipelineStage._warmup_backward_result in 2.11 and 2.15). Calls are
+checked for their keyword arguments too, against the signature each version's sources give.
 """
 
 from __future__ import annotations
@@ -94,6 +95,23 @@ def test_the_scan_checks_functional_aliases_classes_and_submodules(apis):
     assert sum(line.startswith("internlm_core/x.py:6 ") for line in found) == len(api.SUPPORTED)
 
 
+def test_the_scan_checks_the_keywords_a_call_passes(apis):
+    """A keyword argument a version's signature does not take fails like a missing name: 2.13 added barrier's
+    `timeout` and fully_shard's `dp_mesh_dims`, and dropped the factories' `names`."""
+    source = ("import torch\nimport torch.distributed as dist\nfrom torch.distributed.fsdp import fully_shard\n"
+              "dist.barrier(timeout=1)\nfully_shard(m, mesh=None, dp_mesh_dims=None)\ntorch.zeros(2, names=None)\n"
+              "torch.zeros(2, dtype=None, device=None)\ndist.barrier(group=None)\n")
+    assert api.problems(scan(source), apis) == [
+        "internlm_core/x.py:4 torch.distributed.barrier(timeout=): not in torch 2.11.0",
+        "internlm_core/x.py:5 torch.distributed.fsdp.fully_shard(dp_mesh_dims=): not in torch 2.11.0",
+        "internlm_core/x.py:6 torch.zeros(names=): not in torch 2.13.0",
+        "internlm_core/x.py:6 torch.zeros(names=): not in torch 2.15.0"]
+    # a call the fixtures were written without (the package calls torch.kron nowhere): regenerate, not a pass
+    stale = api.problems(scan("import torch\ntorch.kron(a, b, out=None)\n"), apis)
+    assert stale[0] == ("internlm_core/x.py:2 torch.kron(...) (the fixture has no signature for it: regenerate it): "
+                        "not in torch 2.11.0") and len(stale) == len(api.SUPPORTED)
+
+
 def test_the_compat_module_may_use_a_name_one_supported_torch_has(apis):
     source = ("from torch.distributed.pipelining import PipelineStage\n"
               "hasattr(PipelineStage, '_warmup_backward_result')\nhasattr(PipelineStage, '_no_such_vote')\n")
@@ -115,6 +133,8 @@ def test_the_fixtures_were_read_from_each_versions_sources(apis):
         assert "conv" in a["modules"]["torch.backends.cudnn"]
         assert "SUM" in a["classes"]["torch.distributed.ReduceOp"]
         assert "_current_graph_task_id" in a["modules"]["torch._C"]
+        assert {"mesh", "reshard_after_forward", "mp_policy"} <= set(
+            a["signatures"]["torch.distributed.fsdp.fully_shard"]["params"])
 
 
 def test_the_installed_check_of_the_gpu_row_finds_what_is_missing():
