@@ -12,7 +12,6 @@ of step s. A save is collective: every rank must ask at the same step.
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import MappingProxyType
@@ -80,10 +79,6 @@ class StepView:
     def state(self) -> Progress:
         """The progress snapshot under the trainer's name for it (`view.state.batch_count`)."""
         return self.progress
-
-    def with_metrics(self, metrics: Mapping[str, Any]) -> "StepView":
-        """This view with a read-only copy of `metrics`."""
-        return dataclasses.replace(self, metrics=MappingProxyType(dict(metrics)))
 
 
 class TrainerCallback:
