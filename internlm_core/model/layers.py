@@ -129,7 +129,8 @@ class Linear(nn.Linear):
         return linear(x, self.weight, self.bias)
 
 
-ROPE_SCALINGS = ("linear", "dynamic", "llama3")
+ROPE_SCALINGS = ("linear", "dynamic", "llama3", "yarn")
+YARN_OPTIONS = ("attention_factor", "beta_fast", "beta_slow", "mscale", "mscale_all_dim", "truncate")
 
 
 def rope_scaling_kind(scaling: Optional[Mapping[str, Any]]) -> str:
@@ -149,8 +150,11 @@ def scaled_inv_freq(head_dim: int, base: float, scaling: Mapping[str, Any], max_
                  length, here for the training length, so tables and HF agree on rows of max_seqlen tokens
         llama3   Llama 3.1's: wavelengths above original / low_freq_factor divided by factor, below
                  original / high_freq_factor kept, smoothly interpolated between
+        yarn     YaRN's (yarn_inv_freq): interpolated below a ramp over the dimensions, extrapolated above it
     """
     kind = rope_scaling_kind(scaling)
+    if kind == "yarn":
+        return yarn_inv_freq(head_dim, base, scaling)[0]
     factor = float(scaling["factor"])
     arange = torch.arange(0, head_dim, 2, dtype=torch.int64).to(torch.float32)
     if kind == "dynamic":
@@ -175,16 +179,53 @@ def scaled_inv_freq(head_dim: int, base: float, scaling: Mapping[str, Any], max_
     return torch.where(medium, smoothed, llama)
 
 
+def yarn_inv_freq(head_dim: int, base: float, scaling: Mapping[str, Any]) -> tuple[torch.Tensor, float]:
+    """YaRN's inverse frequencies and attention factor (the scale of cos/sin), as transformers'
+    _compute_yarn_parameters computes them: `factor`, `original_max_position_embeddings`; optional beta_fast (32),
+    beta_slow (1), truncate (True), attention_factor (else from mscale / mscale_all_dim, else 0.1 ln(factor) + 1)."""
+    factor, original = float(scaling["factor"]), int(scaling["original_max_position_embeddings"])
+
+    def mscale(scale: float, m: float = 1.0) -> float:
+        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+    attention = scaling.get("attention_factor")
+    if attention is None:
+        m, m_all = scaling.get("mscale"), scaling.get("mscale_all_dim")
+        attention = float(mscale(factor, m) / mscale(factor, m_all)) if m and m_all else mscale(factor)
+    fast, slow = scaling.get("beta_fast") or 32, scaling.get("beta_slow") or 1
+
+    def correction_dim(rotations: float) -> float:
+        return (head_dim * math.log(original / (rotations * 2 * math.pi))) / (2 * math.log(base))
+
+    low, high = correction_dim(fast), correction_dim(slow)
+    if scaling.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, head_dim - 1)
+    if low == high:
+        high += 0.001  # as transformers: no division by zero
+    ramp = torch.clamp((torch.arange(head_dim // 2, dtype=torch.float32) - low) / (high - low), 0, 1)
+    pos_freqs = base ** (torch.arange(0, head_dim, 2).to(dtype=torch.float) / head_dim)
+    extrapolation = 1 - ramp
+    inv_freq = (1.0 / (factor * pos_freqs)) * (1 - extrapolation) + (1.0 / pos_freqs) * extrapolation
+    return inv_freq, float(attention)
+
+
 def rotary_tables(head_dim: int, max_seqlen: int, base: float, scaling: Optional[Mapping[str, Any]] = None
                   ) -> tuple[torch.Tensor, torch.Tensor]:
     """cos/sin [max_seqlen, head_dim] for rotate-half rotary embeddings, frequencies scaled by `scaling`
-    (`model.rope_scaling`, see scaled_inv_freq; None: the original rotary embedding)."""
-    if rope_scaling_kind(scaling) == "default":
+    (`model.rope_scaling`, see scaled_inv_freq; None: the original rotary embedding); YaRN also scales cos/sin
+    by its attention factor, as transformers does."""
+    kind, attention = rope_scaling_kind(scaling), 1.0
+    if kind == "default":
         inv_freq = base ** (-torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim)
+    elif kind == "yarn":
+        inv_freq, attention = yarn_inv_freq(head_dim, base, scaling)  # type: ignore[arg-type]
     else:
         inv_freq = scaled_inv_freq(head_dim, base, scaling, max_seqlen)  # type: ignore[arg-type]
     freqs = torch.outer(torch.arange(max_seqlen, dtype=torch.float32), inv_freq)
     freqs = torch.cat((freqs, freqs), dim=-1)
+    if attention != 1.0:
+        return freqs.cos() * attention, freqs.sin() * attention
     return freqs.cos(), freqs.sin()
 
 

@@ -232,8 +232,8 @@ def test_config_from_hf_refuses_what_we_do_not_implement(tmp_path):
     write_hf_llama(tmp_path)
     c = json.loads((tmp_path / "config.json").read_text())
     for change, message in [
-        ({"rope_parameters": {"rope_type": "yarn", "rope_theta": 5e5, "factor": 8.0}},
-         "rope scaling 'yarn' .* is not implemented"),
+        ({"rope_parameters": {"rope_type": "longrope", "rope_theta": 5e5, "factor": 8.0}},
+         "rope scaling 'longrope' .* is not implemented"),
         ({"rope_parameters": {"rope_type": "llama3", "rope_theta": 5e5, "factor": 8.0}},
          "llama3 rope scaling without low_freq_factor, high_freq_factor"),
         ({"mlp_bias": True}, "mlp_bias=true"),

@@ -163,7 +163,9 @@ def test_counts_follow_the_block_options():
 
 
 @pytest.mark.parametrize("extra, message", [
-    (["model.rope_scaling={'type': 'yarn', 'factor': 2.0}"], "model.rope_scaling: type 'yarn' is not implemented"),
+    (["model.rope_scaling={'type': 'longrope', 'factor': 2.0}"], "model.rope_scaling: type 'longrope' is not "
+                                                                 "implemented"),
+    (["model.rope_scaling={'rope_type': 'yarn', 'factor': 2.0}"], "yarn scaling needs original_max_position_embeddings"),
     (["model.rope_scaling={'rope_type': 'llama3', 'factor': 8.0}"], "llama3 scaling needs low_freq_factor > 0"),
     (["model.sliding_window=0"], "model.sliding_window: expected None or an int >= 1"),
     (["model_type=QWEN2", "model.qkv_bias=False"], "model_type QWEN2 has a bias on q, k and v"),
@@ -180,7 +182,7 @@ def test_hf_configs_the_families_cannot_hold_are_refused(tmp_path):
     c = json.loads((tmp_path / "config.json").read_text())
     for change, message in (({"decoder_sparse_step": 2}, "some layers would be dense"),
                             ({"mlp_only_layers": [1]}, "some layers would be dense"),
-                            ({"rope_parameters": {"rope_type": "yarn", "factor": 2.0}}, "'yarn'")):
+                            ({"rope_parameters": {"rope_type": "longrope", "factor": 2.0}}, "'longrope'")):
         (tmp_path / "config.json").write_text(json.dumps({**c, **change}))
         with pytest.raises(CheckpointError, match=message):
             config_from_hf(tmp_path)

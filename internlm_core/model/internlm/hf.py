@@ -23,7 +23,7 @@ import torch
 
 from ...errors import CheckpointError
 from ..args import ffn_width
-from ..layers import rope_scaling_kind
+from ..layers import YARN_OPTIONS, rope_scaling_kind
 from ..spec import AdapterContext, StateDictAdapter
 
 _LAYER_MAP = (
@@ -100,7 +100,8 @@ def llama_from_hf(hf: Mapping[str, torch.Tensor], ctx: AdapterContext) -> dict[s
 # ---- config.json ---------------------------------------------------------------------------------------------
 
 _ROPE_EXTRA = {"linear": ("factor",), "dynamic": ("factor",),
-               "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")}
+               "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
+               "yarn": ("factor", "original_max_position_embeddings")}  # and those of YARN_OPTIONS it states
 
 
 def rope_config(m: Any, seq_len: int) -> dict:
@@ -109,6 +110,8 @@ def rope_config(m: Any, seq_len: int) -> dict:
     it is the original length there; the training length otherwise)."""
     kind = rope_scaling_kind(m.rope_scaling)
     extra = {k: m.rope_scaling[k] for k in _ROPE_EXTRA.get(kind, ())}
+    if kind == "yarn":
+        extra.update({k: m.rope_scaling[k] for k in YARN_OPTIONS if m.rope_scaling.get(k) is not None})
     length = seq_len
     if kind == "dynamic":
         length = int(m.rope_scaling.get("original_max_position_embeddings") or seq_len)
@@ -127,13 +130,20 @@ def rope_from_config(c: Mapping, where: str) -> dict:
         return {"rope_base": base, "rope_scaling": None}
     if kind not in _ROPE_EXTRA:
         raise CheckpointError(f"{where}: rope scaling {kind!r} ({params}) is not implemented by internlm-core's "
-                              f"rotary embedding (linear, dynamic and llama3 are)")
-    if kind == "llama3" and "original_max_position_embeddings" not in params:
-        params["original_max_position_embeddings"] = c.get("max_position_embeddings")
+                              f"rotary embedding (linear, dynamic, llama3 and yarn are)")
+    if kind in ("llama3", "yarn") and params.get("original_max_position_embeddings") is None:
+        # transformers' standardize_rope_params: the config's own key, else max_position_embeddings
+        params["original_max_position_embeddings"] = (c.get("original_max_position_embeddings") or
+                                                      c.get("max_position_embeddings"))
+    if kind == "yarn" and params.get("factor") is None and params.get("original_max_position_embeddings"):
+        params["factor"] = float(_get(c, "max_position_embeddings", where)) / params["original_max_position_embeddings"]
     missing = [k for k in _ROPE_EXTRA[kind] if params.get(k) is None]
     if missing:
         raise CheckpointError(f"{where}: {kind} rope scaling without {', '.join(missing)}")
-    scaling = {("rope_type" if kind == "llama3" else "type"): kind, **{k: params[k] for k in _ROPE_EXTRA[kind]}}
+    scaling = {("rope_type" if kind in ("llama3", "yarn") else "type"): kind,
+               **{k: params[k] for k in _ROPE_EXTRA[kind]}}
+    if kind == "yarn":
+        scaling.update({k: params[k] for k in YARN_OPTIONS if params.get(k) is not None})
     if kind == "dynamic":  # transformers scales beyond max_position_embeddings
         scaling["original_max_position_embeddings"] = int(_get(c, "max_position_embeddings", where))
     return {"rope_base": base, "rope_scaling": scaling}

@@ -56,7 +56,8 @@ def bias_default(value: bool) -> Any:
 
 
 _ROPE_KEYS = {"linear": ("factor",), "dynamic": ("factor",),
-              "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")}
+              "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
+              "yarn": ("factor", "original_max_position_embeddings")}
 
 
 def validate_rope_scaling(scaling: Any) -> None:
