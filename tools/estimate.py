@@ -59,8 +59,26 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--linear", choices=LINEAR, default=None,
                    help="linear kernel (default: what numerics chooses: on --device cpu this machine's, fp32_gemm "
                         "where the CPU has no native 16-bit GEMM for the dtype; torch on GPUs)")
+    p.add_argument("--size", default=None, metavar="NAME",
+                   help="a published shape of the config's model family (its ModelSpec.sizes, e.g. 13B with "
+                        "configs/70B.py's LLAMA): its model keys over the config's, before --set")
     p.add_argument("--json", action="store_true", help="print the figures as JSON instead of text")
     return p.parse_args(argv)
+
+
+def size_overrides(config: str, name: str) -> list[str]:
+    """`model.KEY=VALUE` items of the named shape `name` of the config's family (ModelSpec.sizes); ConfigError
+    naming the family's sizes when it has none of that name."""
+    from internlm_core.config import load_config
+    from internlm_core.errors import ConfigError
+    from internlm_core.model import get_model_spec
+
+    spec = get_model_spec(load_config(config).model_type)
+    if name not in spec.sizes:
+        raise ConfigError(f"--size {name}: model_type {spec.name} has sizes {', '.join(spec.sizes) or '(none)'}")
+    # the shape keys a size leaves out take their defaults (a 13B of Llama 2 has no GQA, whatever the config had)
+    shape = {"num_kv_attention_heads": None, "intermediate_size": None, "head_dim": None, **spec.sizes[name]}
+    return [f"model.{k}={v!r}" for k, v in shape.items()]
 
 
 def main(argv=None) -> int:
@@ -73,7 +91,8 @@ def main(argv=None) -> int:
         raise ConfigError(f"--gpus: expected a positive number of devices, got {args.gpus}")
     if not 0 < args.mfu <= 1:
         raise ConfigError(f"--mfu: expected a fraction in (0, 1], got {args.mfu}")
-    cfg = load_config(args.config, args.set, world_size=args.gpus)
+    sets = (size_overrides(args.config, args.size) if args.size else []) + list(args.set)
+    cfg = load_config(args.config, sets, world_size=args.gpus)
     if args.pipeline_rank is not None and not 0 <= args.pipeline_rank < cfg.parallel.pipeline:
         raise ConfigError(f"--pipeline-rank: expected 0 <= R < parallel.pipeline ({cfg.parallel.pipeline}), "
                           f"got {args.pipeline_rank}")

@@ -221,7 +221,7 @@ class ModelSpec:
     fill_defaults(model_section): family defaults for unset keys; validate(inputs: ModelInputs): family rules
         (ConfigError naming the key).
     num_parameters(args), flops_per_token(args, seq_len): analytic counts for logs, MFU and estimates.
-    sizes: named shapes ("7B": {model keys}) of the family's published models.
+    sizes: named shapes ("7B": {model keys}) of the family's published models (`tools/estimate.py --size`).
     adapters: state-dict adapters by format: "hf" (the family's own Hugging Face class), "hf_llama" (the
         LlamaForCausalLM form), "internlm" (InternLM's / InternEvo's training checkpoints), "llama" (Meta's
         original Llama checkpoints).

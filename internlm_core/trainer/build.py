@@ -1,4 +1,5 @@
-"""Wire one run from its config: each component by one small build function, in the order of ARCHITECTURE.md."""
+"""Wire one run from its config: each component by one small build function, in the order docs/architecture.md
+("One run, top to bottom") lists."""
 
 from __future__ import annotations
 

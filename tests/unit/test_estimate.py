@@ -212,6 +212,17 @@ def test_estimate_cli(tmp_path):
     assert p.stderr.strip() == "error: --pipeline-rank: expected 0 <= R < parallel.pipeline (1), got 1"
 
 
+def test_estimate_cli_takes_a_published_size_of_the_family():
+    """--size: the family's named shape (ModelSpec.sizes) over the config's: Llama-2-13B from the 70B config (no
+    GQA: the size leaves num_kv_attention_heads out) has Llama-2-13B's parameter count."""
+    p = run_script("tools/estimate.py", ["--config", "configs/70B.py", "--gpus", "8", "--size", "13B", "--json"],
+                   timeout=120)
+    assert p.returncode == 0, p.stderr
+    assert json.loads(p.stdout)["parameters"] == 13_015_864_320
+    p = run_script("tools/estimate.py", ["--config", "configs/70B.py", "--gpus", "8", "--size", "3B"], timeout=120)
+    assert p.returncode == 2 and p.stderr.strip() == "error: --size 3B: model_type LLAMA has sizes 7B, 13B, 70B"
+
+
 def test_dry_run_prints_the_estimate():
     p = run_train(["--config", "configs/7B.py", "--dry-run", "--set", "model.checkpoint=True"], timeout=120)
     assert p.returncode == 0, p.stderr
