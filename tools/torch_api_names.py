@@ -14,8 +14,9 @@ keyword arguments are checked against the callable's signature in each version (
 class's __new__ and __init__, or a dataclass's fields; **kwargs takes any). Methods called on objects (`x.foo()`,
 `module.set_custom_all_gather(...)`) are not seen: the scan cannot tell what `x` is.
 
-The API of a version: read from its wheel's own Python sources, which are the same on every platform (pip download
-torch==V --no-deps --only-binary=:all: --platform macosx_11_0_arm64, macosx_14_0_arm64 from 2.12 on). A module's
+The API of a version: read from its wheel's own Python sources, which are the same on every platform; the macOS arm64
+wheels are the small ones: `pip download torch==V --no-deps --only-binary=:all: -d DIR --platform P` with P
+macosx_11_0_arm64 for 2.11, macosx_14_0_arm64 from 2.12 on (then `extract DIR/torch-*.whl`). A module's
 names are what its top level defines, in any branch of an if/try (a superset: a name defined only on another
 platform counts): functions, classes, assignments, imports (a star import brings the other module's `__all__`, or
 its public names), and its submodules. Torch's C extension is read from the .pyi stubs the wheel ships beside it
