@@ -9,7 +9,8 @@ overview.png with all of them, and eval.png (evaluation.tasks: acc and acc_norm 
 evaluation records; prints the path of each. A resumed run (steps written twice) keeps the
 latest record of each step; a truncated last line (a crash) is skipped. A `restart` record (an elastic restart, a
 requeue) or a `rewind` record (a loss spike rewound) at step S drops the earlier records of steps after S: those
-steps were trained again (or skipped) after it; the loss plot marks each with a vertical line.
+steps were trained again (or skipped) after it; the loss plot marks each with a vertical line, as it does a `heal`
+record (a replica group that took a live peer's state and continues from its step).
 """
 
 from __future__ import annotations
@@ -88,6 +89,8 @@ def read_run(path: str | os.PathLike, name: str | None = None) -> Run:
                 for records in by_kind.values():
                     for s in [s for s in records if s > step]:
                         del records[s]
+            elif kind == "heal":  # a replica group took a live peer's state at `step` (no records of its own before)
+                run.events.append(rec)
     run.train = [by_kind["train"][s] for s in sorted(by_kind["train"])]
     run.valid = [by_kind["valid"][s] for s in sorted(by_kind["valid"])]
     run.eval = [by_kind["eval"][s] for s in sorted(by_kind["eval"])]

@@ -76,12 +76,17 @@ class RestartReporter(TrainerCallback):
         restart_count: the launcher's restart count (LaunchInfo.restart_count).
         max_restarts: torchrun's --max-restarts, when known.
         alerts: where the alerts go (None: log only).
+        replica_group: this run's replica group (parallel.fault_tolerance.replica_id; None: not one of several).
+            A replica group that restarts resumes its own checkpoint first, then heals from a live peer at its first
+            quorum when one is ahead: which steps it trains again is only known then, and said then
+            (trainer/replicated.record_heal: a log line and a `heal` record).
     """
 
     def __init__(self, run_dir: str | Path, rank: int = 0, restart_count: int = 0,
                  max_restarts: Optional[int] = None, alerts: Optional[AlertManager] = None,
-                 writer: Optional[MetricsWriter] = None):
+                 writer: Optional[MetricsWriter] = None, replica_group: Optional[int] = None):
         self.path = Path(run_dir) / "metrics.jsonl"
+        self.replica_group = replica_group
         self.rank, self.restart_count, self.max_restarts, self.alerts = rank, restart_count, max_restarts, alerts
         self.writer = writer  # the run's metrics writer (the restart record goes beside the steps')
         self.previous: Optional[tuple[int, float]] = None
@@ -111,13 +116,15 @@ class RestartReporter(TrainerCallback):
                        "time": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
         if self.max_restarts is not None:
             self.record["max_restarts"] = self.max_restarts
+        if self.replica_group is not None:
+            self.record["replica_group"] = self.replica_group
         _end_line(self.path)
         if self.writer is not None:
             self.writer.write(self.resumed_step, dict(self.record), kind="restart")
         of = f" of at most {self.max_restarts}" if self.max_restarts is not None else ""
         msg = (f"restart {self.restart_count}{of}: the run stopped after step {last} {down:.0f} s ago; resumed from "
                f"step {self.resumed_step}" + (f" ({loaded})" if loaded is not None else "") +
-               (f"; steps {self.resumed_step + 1}-{last} are trained again" if retrain else ""))
+               (self._retrain_clause(last) if retrain else ""))
         if self.restart_count or retrain:
             logger.warning(msg)
             self._alert(f"run restarted at step {self.resumed_step} (restart {self.restart_count})", msg)
@@ -125,6 +132,13 @@ class RestartReporter(TrainerCallback):
             logger.info(msg)
         if retrain == 0:
             self.previous = None
+
+    def _retrain_clause(self, last: int) -> str:
+        first = self.resumed_step + 1
+        if self.replica_group is None:
+            return f"; steps {first}-{last} are trained again"
+        return (f"; replica group {self.replica_group}: steps {first}-{last} are trained again unless a live group is "
+                f"ahead (then it heals from it at its first quorum and logs the step it continues from)")
 
     def _caught_up(self, step: int) -> None:
         _, when = self.previous

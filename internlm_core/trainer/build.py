@@ -255,7 +255,9 @@ def build_trainer(cfg: Config, launch: LaunchInfo, run_dir: Path, seed: Optional
     writer = MetricsWriter(run_dir, active=launch.rank == 0 or simulated, log_every=cfg.monitor.log_every,
                            tensorboard_dir=state.tensorboard_folder if cfg.monitor.tensorboard else None,
                            sinks=[trackers] if trackers is not None else [])
-    restart = RestartReporter(run_dir, launch.rank, launch.restart_count, launch.max_restarts, alerts, writer=writer)
+    ft = cfg.parallel.fault_tolerance
+    restart = RestartReporter(run_dir, launch.rank, launch.restart_count, launch.max_restarts, alerts, writer=writer,
+                              replica_group=ft.replica_id if ft.enable and ft.group_size > 1 else None)
     choose_cpu_allocator(launch.device, dims, simulated)
     logger.info(f"run folder {run_dir} on {socket.gethostname()}")
     return Trainer(

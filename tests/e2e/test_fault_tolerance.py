@@ -76,6 +76,14 @@ def test_a_killed_group_leaves_the_other_training_and_heals_from_it_on_return(tm
     first = recs1[0]["step"]
     assert first > KILL_AT and [r["step"] for r in recs1] == list(range(first, STEPS + 1))
     assert recs1[0]["ft/heals"] == 1 and not list(tmp_path.rglob("COMPLETE"))
+    # ... and says so: the step it healed to, in its log and as a `heal` record before its first train record
+    heal = [json.loads(line) for line in (g1_again / "metrics.jsonl").read_text().splitlines()][0]
+    assert heal == {"kind": "heal", "step": first - 1, "replica_id": 1, "from_step": 0, "to_step": first - 1,
+                    "heals": 1}
+    for rank in (0, 1):
+        assert (f"replica group 1: healed from a live peer at its step 0: continues from step {first - 1}; steps "
+                f"1-{first - 1} were trained by the live groups, not by this one") in (g1_again / f"rank{rank}.log"
+                                                                                       ).read_text()
 
     # the same weights and optimizer state, bit for bit, on each rank of both groups
     for rank in (0, 1):

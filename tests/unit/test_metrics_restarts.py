@@ -82,3 +82,24 @@ def test_fresh_run_writes_no_restart_record(tmp_path):
     rep.on_train_start(trainer)
     trainer.writer.close()
     assert (tmp_path / "metrics.jsonl").read_text() == "" and rep.alerts.sent == []
+
+
+def test_a_replica_group_says_its_retrain_waits_for_the_heal_and_the_heal_is_an_event(tmp_path):
+    """A replica group that restarts resumes its own checkpoint, then heals past it when a live group is ahead:
+    its restart line does not promise the retrain; the heal record (trainer/replicated.record_heal) names the step."""
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(train(s, 2.0)) + "\n" for s in range(1, 36)))
+    alerts = Alerts()
+    trainer = Trainer(tmp_path, 30)
+    rep = RestartReporter(tmp_path, rank=0, restart_count=1, alerts=alerts, writer=trainer.writer, replica_group=1)
+    rep.on_train_start(trainer)
+    trainer.writer.write(60, {"replica_id": 1, "from_step": 30, "to_step": 60, "heals": 1}, kind="heal")
+    trainer.writer.write(61, {"loss": 1.0})
+    trainer.writer.close()
+    restart = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()][35]
+    assert restart["kind"] == "restart" and restart["replica_group"] == 1 and restart["steps_to_retrain"] == 5
+    assert alerts.sent[0][1].endswith("resumed from step 30 (/ckpt/30); replica group 1: steps 31-35 are trained "
+                                      "again unless a live group is ahead (then it heals from it at its first "
+                                      "quorum and logs the step it continues from)")
+    run = plot_metrics.read_run(tmp_path)
+    assert [e["kind"] for e in run.events] == ["restart", "heal"] and run.events[1]["step"] == 60
+    assert [r["step"] for r in run.train] == list(range(1, 31)) + [61]

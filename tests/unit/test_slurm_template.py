@@ -173,3 +173,43 @@ def test_init_distributed_warns_about_one_visible_gpu_among_eight_tasks(monkeypa
     with caplog.at_level("WARNING"):
         init_distributed(launcher="none", device_type="cuda")
     assert "this process sees 1 GPU while 8 processes of the job run on its node" in caplog.text
+
+
+# runs what srun was given on "node" SLURM_NODEID (its options dropped), with the stand-ins first on PATH
+RUNNING_SRUN = """#!/usr/bin/env python3
+import os, sys
+args = sys.argv[1:]
+while args and args[0].startswith("--"):
+    args.pop(0)
+os.environ["PATH"] = os.path.dirname(os.path.abspath(__file__)) + os.pathsep + os.environ["PATH"]
+os.execvp(args[0], args)
+"""
+FAKE_TORCHRUN = """#!/usr/bin/env python3
+import json, os, sys
+json.dump(sys.argv[1:], open(os.environ["FAKE_TORCHRUN_LOG"], "w"))
+"""
+
+
+@pytest.mark.parametrize("node", [0, 1])
+def test_ft_sbatch_gives_each_group_its_own_values_through_the_group_placeholder(tmp_path, node):
+    """`{group}` in a train.py option becomes the node's replica group index (FIRST_REPLICA + SLURM_NODEID): the
+    groups can save checkpoints, each into its own folder (one live writer per folder)."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    for name, text in (("srun", RUNNING_SRUN), ("torchrun", FAKE_TORCHRUN), ("scontrol", FAKE_SCONTROL)):
+        (bin_dir / name).write_text(text)
+        (bin_dir / name).chmod(0o755)
+    e = {k: v for k, v in env().items() if not k.startswith("SLURM_")}
+    e.update(PATH=f"{bin_dir}{os.pathsep}{e['PATH']}", SLURM_SUBMIT_DIR=str(ROOT), SLURM_JOB_NAME="t",
+             SLURM_JOB_ID="7", SLURM_NNODES="2", SLURM_JOB_NODELIST="gpu[01-02]", SLURM_NODEID=str(node),
+             FIRST_REPLICA="2", REPLICA_GROUPS="4", TORCHFT_LIGHTHOUSE="http://gpu01:29510",
+             RUN_DIR=str(tmp_path / "run"), FAKE_TORCHRUN_LOG=str(tmp_path / "torchrun.json"))
+    p = subprocess.run(["bash", str(ROOT / "tools/slurm/train_ft.sbatch"), "configs/7B.py", "--set",
+                        "ckpt.save_ckpt_folder=/ckpt/7B/group{group}", "data.total_steps=2"],
+                       cwd=tmp_path, env=e, capture_output=True, text=True, timeout=60)
+    assert p.returncode == 0, p.stderr
+    args = json.loads((tmp_path / "torchrun.json").read_text())
+    g = 2 + node
+    assert args[args.index("--run-dir") + 1] == str(tmp_path / "run" / f"group{g}")
+    assert f"ckpt.save_ckpt_folder=/ckpt/7B/group{g}" in args and f"parallel.fault_tolerance.replica_id={g}" in args
+    assert not any("{group}" in a for a in args)
