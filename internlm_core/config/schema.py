@@ -92,6 +92,7 @@ class ModelConfig:
     head_dim: Optional[int] = f(None, "Channels of each attention head; default hidden_size / num_attention_heads (Qwen3 sets 128 at every width).")
     qk_norm: Optional[bool] = f(None, "RMSNorm over each head's channels on q and k before the rotary embedding (Qwen3); default: True for QWEN3 / QWEN3_MoE, False otherwise.")
     sliding_window: Optional[int] = f(None, "Sliding-window attention: each token attends to at most this many tokens of its document, itself included (Mistral); None: the whole document.")
+    window_layers: Optional[list] = f(None, "The layers (indices) model.sliding_window applies to, the others attending to the whole document (Qwen2/Qwen3's max_window_layers, transformers' layer_types); None: every layer.")
     rope_scaling: Optional[dict] = f(None, "Rotary frequency scaling, InternLM2's / transformers' spelling: dict(type=\"linear\" or \"dynamic\", factor=f) (dynamic NTK takes original_max_position_embeddings, default data.seq_len: no change) or dict(rope_type=\"llama3\", factor, low_freq_factor, high_freq_factor, original_max_position_embeddings); None: none.")
 
 

@@ -30,6 +30,7 @@ class ModelArgs:
     out_bias: Optional[bool] = None           # bias on wo; None: as qkv_bias (Qwen2: q/k/v biased, wo not)
     qk_norm: bool = False                     # RMSNorm over head_dim on q and k before the rotary (Qwen3)
     sliding_window: Optional[int] = None      # each query sees at most this many keys, itself included (Mistral)
+    window_layers: Optional[tuple] = None     # the layers sliding_window applies to (None: every layer)
     rope_scaling: Optional[dict] = None       # linear / dynamic / llama3 frequency scaling (model.rope_scaling)
     attention_head_dim: Optional[int] = None  # None: hidden_size / num_heads (Qwen3: 128 whatever the width)
 
@@ -60,6 +61,7 @@ def args_from_model_config(m: Any, seq_len: int, attn_backend: str = "sdpa") -> 
         embed_grad_scale=m.embed_grad_scale, apply_post_layer_norm=m.apply_post_layer_norm,
         use_fp32_norm=m.use_fp32_norm, attn_backend=attn_backend,
         qk_norm=bool(m.qk_norm), sliding_window=m.sliding_window,
+        window_layers=tuple(int(i) for i in m.window_layers) if m.window_layers is not None else None,
         rope_scaling=dict(m.rope_scaling) if m.rope_scaling else None,
         attention_head_dim=m.head_dim,
     )
@@ -88,4 +90,5 @@ def flops_per_token(a: ModelArgs, seq_len: int) -> int:
     if a.tie_word_embeddings:  # the shared matrix is still used as the lm_head matmul
         n += a.vocab_size * a.hidden_size
     keys = min(seq_len, a.sliding_window) if a.sliding_window else seq_len  # a query sees at most the window
-    return 6 * n + 12 * a.num_layers * a.num_heads * a.head_dim * keys
+    windowed = a.num_layers if a.window_layers is None else len(set(a.window_layers))  # the others see seq_len
+    return 6 * n + 12 * a.num_heads * a.head_dim * (windowed * keys + (a.num_layers - windowed) * seq_len)

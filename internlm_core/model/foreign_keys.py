@@ -14,7 +14,8 @@ _FOLDER_NAMES = {
     "num_layers": ("num_hidden_layers",), "num_kv_attention_heads": ("num_key_value_heads",),
     "layer_norm_epsilon": ("rms_norm_eps",), "rope_base": ("rope_parameters.rope_theta", "rope_theta", "rotary.base"),
     "rope_scaling": ("rope_parameters", "rope_scaling"), "qkv_bias": ("attention_bias", "bias"),
-    "sliding_window": ("sliding_window", "use_sliding_window"), "num_experts": ("num_local_experts", "num_experts"),
+    "sliding_window": ("sliding_window", "use_sliding_window"), "window_layers": ("layer_types", "max_window_layers"),
+    "num_experts": ("num_local_experts", "num_experts"),
     "top_k": ("num_experts_per_tok",), "moe_intermediate_size": ("moe_intermediate_size", "intermediate_size"),
     "moe.norm_topk_prob": ("norm_topk_prob",), "moe.noisy_gate_policy": ("router_jitter_noise",),
 }
@@ -94,6 +95,8 @@ def same(key: str, ours: Any, theirs: Any) -> bool:
         return _scaling(ours) == _scaling(theirs)
     if key == "moe_type":
         return _dropless(ours) == _dropless(theirs)
+    if key == "window_layers":  # a list in the config, a tuple in ModelArgs
+        return (None if ours is None else sorted(ours)) == (None if theirs is None else sorted(theirs))
     if key == "moe.noisy_gate_policy":
         return (None if ours in (None, "None") else ours) == (None if theirs in (None, "None") else theirs)
     if isinstance(ours, (int, float)) and isinstance(theirs, (int, float)) and not isinstance(ours, bool):

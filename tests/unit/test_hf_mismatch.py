@@ -175,6 +175,8 @@ def test_qwen_windows_as_transformers_applies_them(tmp_path, cls, model_type, kw
     assert diff(model, theirs) <= 1e-4
 
 
-def test_qwen3_window_on_some_layers_only_is_still_refused(tmp_path):
-    save_hf(tmp_path, "Qwen3", use_sliding_window=True, sliding_window=8, max_window_layers=1)
-    assert "the window covers some layers only" in refusal(lambda: config_from_hf(tmp_path))
+def test_a_window_on_some_layers_is_refused_where_the_class_cannot_hold_it(tmp_path):
+    save_hf(tmp_path, "Qwen3Moe", **MOE, num_experts=4, moe_intermediate_size=32)
+    cfg, model = ours(tmp_path, "QWEN3_MoE", extra=("model.sliding_window=8", "model.window_layers=[1]"))
+    line = refusal(lambda: export_hf(tmp_path / "out", cfg, model.state_dict(), tokenizer=None))
+    assert line.startswith("model.window_layers=[1]: Qwen3MoeForCausalLM has no such option")

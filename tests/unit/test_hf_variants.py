@@ -15,6 +15,7 @@ transformers = pytest.importorskip("transformers")
 
 from internlm_core.checkpoint.hf import config_from_hf, export_hf, load_hf  # noqa: E402
 from internlm_core.config import load_config  # noqa: E402
+from internlm_core.errors import CheckpointError  # noqa: E402
 from internlm_core.model import build_model  # noqa: E402
 from internlm_core.model.layers import rotary_tables  # noqa: E402
 
@@ -74,3 +75,38 @@ def test_yarn_tables_equal_transformers(case):
     assert attention != 1.0
     assert torch.allclose(cos, emb.cos() * attention, atol=1e-6) and torch.allclose(sin, emb.sin() * attention,
                                                                                     atol=1e-6)
+
+
+# Qwen's window on some layers only: (class, family, window keys, the layers that slide)
+PARTIAL = {
+    "qwen2_max_window_layers": ("Qwen2", "QWEN2", dict(max_window_layers=1), [1, 2]),
+    "qwen3_layer_types": ("Qwen3", "QWEN3", dict(layer_types=["sliding_attention", "full_attention",
+                                                              "sliding_attention"]), [0, 2]),
+}
+
+
+@pytest.mark.parametrize("case", list(PARTIAL))
+def test_window_on_some_layers_both_ways(tmp_path, case):
+    cls, family, kw, layers = PARTIAL[case]
+    conf = getattr(transformers, f"{cls}Config")(**{**SHAPE, "num_hidden_layers": 3}, use_sliding_window=True,
+                                                 sliding_window=6, **kw)
+    torch.manual_seed(0)
+    hf = getattr(transformers, f"{cls}ForCausalLM")(conf).eval()
+    hf.save_pretrained(tmp_path / "in")
+    keys = config_from_hf(tmp_path / "in", family)
+    assert keys["sliding_window"] == 6 and keys["window_layers"] == layers
+    cfg = load_config("configs/tiny.py", [f"model_type={family}", f"data.seq_len={T}", "model.dtype=torch.float32",
+                                          *[f"{k if '.' in k else 'model.' + k}={v!r}" for k, v in keys.items()]])
+    model = build_model(cfg)
+    load_hf(model, tmp_path / "in")
+    assert diff(model, hf) <= 1e-4
+    every = load_config("configs/tiny.py", [f"model_type={family}", f"data.seq_len={T}", "model.dtype=torch.float32",
+                                            *[f"{k if '.' in k else 'model.' + k}={v!r}" for k, v in keys.items()
+                                              if k != "window_layers"]])
+    with pytest.raises(CheckpointError, match=r"(layer_types|max_window_layers)=.* vs model.window_layers=None"):
+        load_hf(build_model(every), tmp_path / "in")  # every layer windowed: another model, refused
+    export_hf(tmp_path / "out", cfg, model.state_dict(), tokenizer=None)
+    theirs = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out", dtype=torch.float32).eval()
+    assert [t for t in theirs.config.layer_types] == ["sliding_attention" if i in layers else "full_attention"
+                                                      for i in range(3)]
+    assert diff(model, theirs) <= 1e-4

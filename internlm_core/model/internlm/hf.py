@@ -151,13 +151,13 @@ def rope_from_config(c: Mapping, where: str) -> dict:
 
 def refuse_options(m: Any, hf_class: str, allowed: tuple[str, ...] = ()) -> None:
     """CheckpointError for the shared block's options `hf_class` cannot hold (all but `allowed` of qk_norm,
-    sliding_window)."""
-    for key in ("qk_norm", "sliding_window"):
+    sliding_window, window_layers)."""
+    for key in ("qk_norm", "sliding_window", "window_layers"):
         value = getattr(m, key)  # the typed field named by `key`
         if key not in allowed and value:
             raise CheckpointError(f"model.{key}={value!r}: {hf_class} has no such option; export a "
                                   f"family whose Hugging Face class has it (QWEN3 for qk_norm, MISTRAL for "
-                                  f"sliding_window)")
+                                  f"sliding_window, QWEN2 / QWEN3 for window_layers)")
 
 
 def _common_config(cfg: Any, torch_dtype: str, special_ids: Optional[Mapping[str, Optional[int]]]) -> dict:
@@ -234,7 +234,7 @@ def _shape_keys(c: Mapping, where: str) -> dict:
         "vocab_size": int(_get(c, "vocab_size", where)), "intermediate_size": int(_get(c, "intermediate_size", where)),
         "layer_norm_epsilon": float(c.get("rms_norm_eps", 1e-6)),
         "tie_word_embeddings": bool(c.get("tie_word_embeddings", False)),
-        "qk_norm": False, "sliding_window": None,  # the Llama block's; the families that have them say otherwise
+        "qk_norm": False, "sliding_window": None, "window_layers": None,  # the Llama block's (no q/k norm, no window)
     }
 
 

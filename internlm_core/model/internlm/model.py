@@ -161,10 +161,13 @@ class Transformer(nn.Module):
             h = input_ids
         cos = self.rope.cos[position_ids].unsqueeze(2)
         sin = self.rope.sin[position_ids].unsqueeze(2)
+        window, some = self.args.sliding_window, self.args.window_layers
         meta = build_packed_meta(cu_seqlens, B, T, self.args.attn_backend, h.device, document_ids,
-                                 window=self.args.sliding_window, context=self.context)
-        for layer in self.layers.values():
-            h = layer(h, cos, sin, meta)
+                                 window=window if some is None else None, context=self.context)
+        windowed = meta if some is None or not window else build_packed_meta(
+            cu_seqlens, B, T, self.args.attn_backend, h.device, document_ids, window=window, context=self.context)
+        for i, layer in self.layers.items():  # window_layers: the window on those layers only (Qwen's)
+            h = layer(h, cos, sin, windowed if some is None or int(i) in some else meta)
         if self.norm is not None:
             h = self.norm(h)
         if self.output is not None:

@@ -91,5 +91,11 @@ def validate_block_options(inputs: ModelInputs) -> None:
     window = m.sliding_window
     if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
         raise ConfigError(f"model.sliding_window: expected None or an int >= 1 (keys per query), got {window!r}")
+    layers = m.window_layers
+    if layers is not None and (window is None or not isinstance(layers, (list, tuple)) or
+                               any(isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < m.num_layers
+                                   for i in layers)):
+        raise ConfigError(f"model.window_layers: expected None or a list of layer indices in [0, {m.num_layers}) "
+                          f"with model.sliding_window set, got {layers!r} (sliding_window {window!r})")
     if not isinstance(m.qk_norm, (bool, type(None))):
         raise ConfigError(f"model.qk_norm: expected True or False, got {m.qk_norm!r}")

@@ -1,9 +1,8 @@
 """Qwen2's Hugging Face form, `Qwen2ForCausalLM` (Qwen2 and Qwen2.5): Llama's tensor names (model/internlm/hf.py),
 bias on q/k/v and none on o, and Qwen's sliding-window keys. Qwen3 (qwen3/) shares the window keys.
 
-Qwen slides the window over the layers from `max_window_layers` on when `use_sliding_window`; internlm-core's
-window (model.sliding_window) covers every layer, so a folder is read when no layer slides or all do, and a
-windowed model is written with max_window_layers 0.
+Qwen slides the window over the layers from `max_window_layers` on when `use_sliding_window` (transformers 5:
+over the `layer_types` that say so); internlm-core's model.window_layers names those layers (None: every layer).
 """
 
 from __future__ import annotations
@@ -17,33 +16,43 @@ from ..spec import StateDictAdapter
 
 
 def window_config(m: Any) -> dict:
-    """Qwen's window keys of `model.sliding_window` (every layer or none)."""
-    w = m.sliding_window
-    return {"use_sliding_window": bool(w), "sliding_window": w, "max_window_layers": 0 if w else m.num_layers}
+    """Qwen's window keys of `model.sliding_window` and `model.window_layers`: max_window_layers when the windowed
+    layers are the last ones (0: every layer), else also `layer_types`, which transformers 5 reads first."""
+    w, layers, n = m.sliding_window, m.window_layers, m.num_layers
+    if not w:
+        return {"use_sliding_window": False, "sliding_window": None, "max_window_layers": n}
+    if layers is None:
+        return {"use_sliding_window": True, "sliding_window": w, "max_window_layers": 0}
+    slide = set(int(i) for i in layers)
+    first = min(slide) if slide else n
+    out = {"use_sliding_window": True, "sliding_window": w, "max_window_layers": first}
+    if slide != set(range(first, n)):
+        out["layer_types"] = ["sliding_attention" if i in slide else "full_attention" for i in range(n)]
+    return out
 
 
 def window_from_config(c: Mapping, where: str) -> dict:
-    """`{"sliding_window": w}` when every layer slides, None when none does (as transformers' Qwen2Config /
-    Qwen3Config: `layer_types`, else layers from `max_window_layers` on slide when `use_sliding_window`, so
-    max_window_layers >= num_hidden_layers means no window); a CheckpointError for a mix."""
+    """`sliding_window` and `window_layers` (the sliding layers, None for every layer) of Qwen's keys, as
+    transformers' Qwen2Config / Qwen3Config apply them: `layer_types`, else layers from `max_window_layers` on
+    slide when `use_sliding_window` (max_window_layers >= num_hidden_layers: no window)."""
     window = c.get("sliding_window") if c.get("use_sliding_window") else None
     layers = int(c.get("num_hidden_layers", 0))
     types = c.get("layer_types") or ["sliding_attention" if i >= int(c.get("max_window_layers", 28)) else
                                      "full_attention" for i in range(layers)]
     if not window or all(t == "full_attention" for t in types):
-        return {"sliding_window": None}
-    if any(t != "sliding_attention" for t in types):
-        raise CheckpointError(f"{where}: use_sliding_window with max_window_layers={c.get('max_window_layers')}: "
-                              f"the window covers some layers only; internlm-core's model.sliding_window covers "
-                              f"every layer (max_window_layers 0) or none")
-    return {"sliding_window": int(c["sliding_window"])}
+        return {"sliding_window": None, "window_layers": None}
+    if len(types) != layers or any(t not in ("sliding_attention", "full_attention") for t in types):
+        raise CheckpointError(f"{where}: layer_types {types}: expected {layers} of sliding_attention / "
+                              "full_attention")
+    some = [i for i, t in enumerate(types) if t == "sliding_attention"]
+    return {"sliding_window": int(window), "window_layers": None if len(some) == layers else some}
 
 
 def qwen2_config(cfg: Any, torch_dtype: str = "float32",
                  special_ids: Optional[Mapping[str, Optional[int]]] = None) -> dict:
     """The config.json of a Qwen2ForCausalLM equivalent to `cfg` (ModelInputs)."""
     m = cfg.model
-    refuse_options(m, "Qwen2ForCausalLM", allowed=("sliding_window",))
+    refuse_options(m, "Qwen2ForCausalLM", allowed=("sliding_window", "window_layers"))
     if not m.qkv_bias:
         raise CheckpointError("model.qkv_bias=False: Qwen2ForCausalLM's q/k/v projections always have a bias")
     c = _common_config(cfg, torch_dtype, special_ids)

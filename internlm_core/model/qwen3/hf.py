@@ -17,7 +17,7 @@ def qwen3_config(cfg: Any, torch_dtype: str = "float32",
                  special_ids: Optional[Mapping[str, Optional[int]]] = None) -> dict:
     """The config.json of a Qwen3ForCausalLM equivalent to `cfg` (ModelInputs)."""
     m = cfg.model
-    refuse_options(m, "Qwen3ForCausalLM", allowed=("qk_norm", "sliding_window"))
+    refuse_options(m, "Qwen3ForCausalLM", allowed=("qk_norm", "sliding_window", "window_layers"))
     if not m.qk_norm:
         raise CheckpointError("model.qk_norm=False: Qwen3ForCausalLM always normalizes q and k")
     c = _common_config(cfg, torch_dtype, special_ids)
