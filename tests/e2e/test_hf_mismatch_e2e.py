@@ -54,3 +54,25 @@ def test_train_py_trains_the_folders_model_or_refuses(tmp_path, model_type):
     ids = torch.randint(0, 512, (2, 64), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():  # lr 0: the run's model is the folder's, with the folder's numbers
         assert (theirs(ids).logits - folder(ids).logits).abs().max().item() <= 1e-4
+
+
+def test_tensors_nothing_reads_stop_every_rank(tmp_path):
+    """A folder with a tensor the model has no place for (o_proj.bias of a Llama folder loaded into LLAMA without
+    biases): 2 FSDP ranks both stop with the line naming it (rank 0 finds it, every rank raises it; none hangs)."""
+    from safetensors.torch import load_file, save_file
+
+    hf_in = tmp_path / "hf_in"
+    torch.manual_seed(0)
+    transformers.LlamaForCausalLM(transformers.LlamaConfig(**TINY)).save_pretrained(hf_in)
+    tensors = load_file(hf_in / "model.safetensors")
+    tensors["model.layers.0.self_attn.o_proj.bias"] = torch.zeros(128)
+    save_file(tensors, hf_in / "model.safetensors", metadata={"format": "pt"})
+    info = {"path": str(hf_in), "content": ["model"], "ckpt_type": "hf"}
+    p = run_train(["--config", "configs/tiny.py", "--run-dir", str(tmp_path / "run"), "--set", "model_type=LLAMA",
+                   "model.intermediate_size=384", "data.seq_len=64", "data.total_steps=1", "data.valid_every=0",
+                   "parallel.zero1=-1", f"ckpt.load_ckpt_info={info!r}", "ckpt.auto_resume=False"],
+                  nproc=2, timeout=240)
+    out = p.stdout + p.stderr
+    assert p.returncode != 0
+    assert ("1 tensor(s) of the folder that nothing in the LLAMA model reads: model.layers.0.self_attn.o_proj.bias"
+            in out), out[-3000:]
