@@ -4,8 +4,8 @@
 The ranks of one context group read the same rows. Each cuts every row of T tokens into 2C chunks and keeps
 chunks r and 2C-1-r (equal causal work per rank), with the labels, positions, dataset types and per-token document
 ids of those tokens, on the host. The loss of a rank is the mean over its chunk's tokens times its share of the
-micro-batch's counted tokens (`loss_share`), so that the ranks' losses sum to the whole micro-batch's mean, as one
-rank computes it.
+micro-batch's counted tokens (`loss_share`, loss_norm.context_share), so that the ranks' losses sum to the whole
+micro-batch's mean, as one rank computes it (the loss contract: loss_norm.py).
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ import torch
 import torch.nn as nn
 
 from ..distributed.parallel_dims import ParallelDims
+from ..loss_norm import context_share
 from ..model import document_ids_from_cu_seqlens
 from ..utils.logging import get_logger
 
@@ -68,9 +69,7 @@ class ContextCut:
         idx = self.indices(seq_len)
         out = {k: mb[k][:, idx].contiguous() for k in ROW_KEYS}
         out["document_ids"] = document_ids_from_cu_seqlens(mb["cu_seqlens"], rows, seq_len)[:, idx].contiguous()
-        total = int((mb["labels"] != -100).sum())
-        # a micro-batch without any counted token has loss 0 everywhere (the loss's count is clamped to 1)
-        out["loss_share"] = int((out["labels"] != -100).sum()) / total if total else 0.0
+        out["loss_share"] = context_share(out["labels"], mb["labels"])
         return out
 
     @staticmethod

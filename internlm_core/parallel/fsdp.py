@@ -10,6 +10,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor, Shard
 
 from ..distributed.parallel_dims import ParallelDims
+from ..loss_norm import grad_divisor
 
 
 def mixed_precision_policy(compute_dtype: torch.dtype, reduce_dtype: torch.dtype) -> MixedPrecisionPolicy:
@@ -31,8 +32,8 @@ def apply_fsdp(blocks: list[nn.Module], roots: list[nn.Module], dims: ParallelDi
     groups of k, replicate across them (HSDP). Under tensor parallel the parameters are already
     DTensors on the "tp" dimension of the same mesh and FSDP shards them further (2-D). Context-parallel ranks
     hold the same parameters: the shard dimension is dp_shard x cp ("dp_shard_cp", torchtitan's layout).
-    Gradients are averaged over the data (x context) parallel ranks, as the loss is a mean over the global batch
-    (the trainer scales each context rank's part of it by cp, so that the average over cp is their sum).
+    Gradients are averaged over the data (x context) parallel ranks: FSDP's mean over D = dp x cp ranks, which the
+    loss contract's factors assume (loss_norm.py).
 
     reshard_after_forward: free the gathered block parameters after forward (ZeRO-3 memory); pipeline
     parallel passes False, since every micro-batch's backward would gather them again.
@@ -76,8 +77,9 @@ def apply_fsdp_to_dim_modules(modules: list[nn.Module], dims: ParallelDims, resh
     """FSDP for the modules a family's own dimension sharded (model.MeshDim), before the blocks that hold them:
     sharded over the remaining data-parallel ranks only (their parameters already differ along the family's
     dimension), their gradients averaged over every data-parallel rank (the forward combined the family
-    dimension's tokens, so each gradient already sums its ranks' contributions: FSDP divides by dp, not by the
-    ranks it reduces over; sums with separate scaling, which every backend supports)."""
+    dimension's tokens, so each gradient already sums its ranks' contributions: FSDP divides by the loss contract's
+    D = dp (context parallel is refused with a family's dimension), not by the ranks it reduces over; sums with
+    separate scaling, which every backend supports)."""
     if not modules:
         return
     mesh = _data_mesh(dims, "dp_shard_rest")
@@ -86,7 +88,7 @@ def apply_fsdp_to_dim_modules(modules: list[nn.Module], dims: ParallelDims, resh
     for module in modules:
         fully_shard(module, mesh=mesh, reshard_after_forward=reshard_after_forward, mp_policy=mp,
                     shard_placement_fn=placement)
-        module.set_gradient_divide_factor(float(dims.dp))
+        module.set_gradient_divide_factor(float(grad_divisor(dims.dp, dims.cp)))  # the loss contract's D
         if mesh.size() > 1:
             # plain sums, then one division: gloo has no PREMUL_SUM. (On one rank FSDP divides by the factor
             # without a collective; forcing sums there would divide twice, torch 2.13.)

@@ -3,9 +3,11 @@
 The model's `parallel.pipeline * model.num_chunks` virtual stages are cut by the family's plan
 (`ParallelPlan.split_stages`). Rank r of the pipeline group runs stages r, r + pipeline, ... (torch's
 "loop" placement; more than one stage per rank is the interleaved schedule). Training steps use
-`Schedule1F1B` (one stage per rank) or `ScheduleInterleaved1F1B`, with `data.micro_num` micro-batches per step, the loss on the last stage and
-gradients divided by the number of micro-batches, as in the non-pipeline path. Evaluation runs a plain
-forward-only loop with point-to-point sends (no autograd, any number of micro-batches).
+`Schedule1F1B` (one stage per rank) or `ScheduleInterleaved1F1B`, with `data.micro_num` micro-batches per step and
+the loss on the last stage, normalized as in the non-pipeline path (loss_norm.py: the trainer's criterion applies
+the whole factor, the schedule divides nothing). Each micro-batch's index travels in its target, which the schedule
+splits with the inputs: the criterion knows its micro-batch (its loss share) without counting calls. Evaluation
+runs a plain forward-only loop with point-to-point sends (no autograd, any number of micro-batches).
 """
 
 from __future__ import annotations
@@ -40,7 +42,8 @@ def split_model(model: nn.Module, plan: ParallelPlan, pp_rank: int, pp_size: int
 def stack_micro_batches(mbs: list[dict]) -> dict:
     """The schedule's inputs: the micro-batches concatenated along rows (it splits them again), with per-token
     document ids instead of one cu_seqlens per micro-batch (under context parallel the chunk's own ids, which its
-    cut made), and `loss_shares`: each micro-batch's context-parallel loss share in order (None without CP)."""
+    cut made), and `loss_shares`: each micro-batch's context-parallel loss share in order (None without CP), which the
+    criterion looks up by the index the micro-batch's target carries (`micro_batch_target`)."""
     out = {k: torch.cat([mb[k] for mb in mbs]) for k in ("input_ids", "labels", "position_ids", "type_ids")}
     # kept on the host, where the model reads the attention layout without waiting for the device
     out["document_ids"] = torch.cat([mb["document_ids"] if "document_ids" in mb else
@@ -50,12 +53,25 @@ def stack_micro_batches(mbs: list[dict]) -> dict:
     return out
 
 
-# The schedule runs a forward and backward of the first micro-batch to learn the shapes the stages
-# exchange ("metadata inference"), on the first step and after a switch between eval and train; the last
-# stage then calls the loss once more than there are micro-batches. The flag tells when that will happen.
-_INIT_FLAGS = ("_stage_backward_initialized", "_stages_backward_initialized")
+def micro_batch_target(labels: torch.Tensor, type_ids: torch.Tensor, micro_num: int) -> torch.Tensor:
+    """The schedule's target, [micro_num * rows, T, 3] (long): labels, dataset types and each row's micro-batch
+    index. The schedule splits it along dim 0 with the inputs, so each loss call receives its micro-batch's index."""
+    if labels.shape[0] % micro_num:
+        raise ValueError(f"micro_batch_target: {labels.shape[0]} rows do not split into {micro_num} micro-batches")
+    rows = labels.shape[0] // micro_num
+    index = torch.arange(micro_num, dtype=labels.dtype, device=labels.device).view(-1, 1).expand(micro_num, rows)
+    index = index.reshape(-1, *([1] * (labels.dim() - 1))).expand_as(labels)
+    return torch.stack([labels, type_ids, index], dim=-1)
 
-Criterion = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, bool], torch.Tensor]
+
+def split_target(target: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(labels, type_ids, index) of one micro-batch's target (`micro_batch_target`); index: a 0-dim tensor on the
+    target's device (read there, never on the host)."""
+    return target[..., 0], target[..., 1], target[..., 2].reshape(-1)[0]
+
+
+# criterion(logits, labels, type_ids, index, record) -> the loss to backpropagate (see PipelineParallel.train_step)
+Criterion = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, bool], torch.Tensor]
 
 
 def _static(stage_io: Optional[Callable[[int], tuple[torch.Tensor, torch.Tensor]]], stage: int) -> dict:
@@ -77,6 +93,17 @@ class _Stage(PipelineStage):
     """
 
     reduce_each = False
+    inferring = False  # True while torch's metadata inference runs: a loss call then is no micro-batch of the step
+
+    def _prepare_backward_infra(self, *args, **kwargs):
+        # torch >= 2.13 learns the shapes the stages exchange from a real forward and backward of the first
+        # micro-batch in here (on the first step), calling the loss on the last stage; torch 2.11 calls none here.
+        # Observed, not predicted: the flag is up exactly while it runs.
+        self.inferring = True
+        try:
+            return super()._prepare_backward_infra(*args, **kwargs)
+        finally:
+            self.inferring = False
 
     def backward_maybe_with_nosync(self, backward_type, bwd_kwargs: dict, last_backward: bool = False):
         # The schedule runs forward and backward inside the trainer's autocast context. Backward must run
@@ -130,19 +157,19 @@ class PipelineParallel:
         for stage in self.stages:
             stage.reduce_each = reduce_each_micro_batch
         if len(self.stages) == 1:
-            self.schedule = Schedule1F1B(self.stages[0], micro_num, loss_fn=self._loss, scale_grads=True)
+            self.schedule = Schedule1F1B(self.stages[0], micro_num, loss_fn=self._loss, scale_grads=False)
         else:
             rounds = max(1, micro_num // self.pp_size)
             if micro_num % rounds:
                 raise ConfigError(f"data.micro_num ({micro_num}): the interleaved pipeline schedule (model.num_chunks "
                                   f"{len(chunks)}, parallel.pipeline {self.pp_size}) needs micro_num divisible by "
                                   f"max(1, micro_num // pipeline) = {rounds}")
-            self.schedule = ScheduleInterleaved1F1B(self.stages, micro_num, loss_fn=self._loss, scale_grads=True)
-        if not any(hasattr(self.schedule, f) for f in _INIT_FLAGS):
-            raise RuntimeError(f"torch {torch.__version__}: pipeline schedule has none of {_INIT_FLAGS}; "
-                               f"update internlm_core/parallel/pipeline.py for this version")
+            self.schedule = ScheduleInterleaved1F1B(self.stages, micro_num, loss_fn=self._loss, scale_grads=False)
+        if not hasattr(PipelineStage, "_prepare_backward_infra"):
+            raise RuntimeError(f"torch {torch.__version__}: PipelineStage has no _prepare_backward_infra to watch "
+                               f"metadata inference through; update internlm_core/parallel/pipeline.py for this version")
         self._criterion: Optional[Criterion] = None
-        self._skip_calls = 0
+        self._calls = 0  # loss calls of micro-batches this step (checked against micro_num, not used to find one)
 
     @property
     def is_first(self) -> bool:
@@ -152,33 +179,30 @@ class PipelineParallel:
     def is_last(self) -> bool:
         return self.num_stages - 1 in self.stage_ids
 
-    def _init_pending(self) -> bool:
-        return not next(getattr(self.schedule, f) for f in _INIT_FLAGS if hasattr(self.schedule, f))
-
     def _logits(self, out: torch.Tensor) -> torch.Tensor:
         if self.logits_mesh is None:
             return out
         return DTensor.from_local(out, self.logits_mesh, (Shard(-1),), run_check=False)
 
     def _loss(self, logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-        logits = self._logits(logits)
-        labels, type_ids = target[..., 0], target[..., 1]
-        record = self._skip_calls == 0
-        if not record:
-            self._skip_calls -= 1
-        return self._criterion(logits, labels, type_ids, record)
+        record = not any(stage.inferring for stage in self.stages)
+        self._calls += record
+        return self._criterion(self._logits(logits), *split_target(target), record)
 
     def train_step(self, input_ids: torch.Tensor, labels: torch.Tensor, type_ids: torch.Tensor,
                    position_ids: torch.Tensor, document_ids: torch.Tensor, criterion: Criterion) -> None:
         """Forward and backward of `micro_num` micro-batches (all inputs [micro_num * rows, T], split along
-        dim 0); on the last stage `criterion(logits, labels, type_ids, record)` gives each micro-batch's
-        loss (`record` is False for the schedule's extra shape-inference call: no metrics from it)."""
-        self._criterion = criterion
-        self._skip_calls = 1 if self._init_pending() else 0
-        target = torch.stack([labels, type_ids], dim=-1)
-        self.schedule.step(input_ids, target=target, return_outputs=False,
-                           position_ids=position_ids, document_ids=document_ids)
+        dim 0); on the last stage `criterion(logits, labels, type_ids, index, record)` gives the loss to
+        backpropagate for micro-batch `index` (a 0-dim device tensor), already normalized: the schedule divides
+        nothing. `record` is False for torch's metadata-inference call (`_Stage.inferring`): no metrics from it."""
+        self._criterion, self._calls = criterion, 0
+        self.schedule.step(input_ids, target=micro_batch_target(labels, type_ids, self.micro_num),
+                           return_outputs=False, position_ids=position_ids, document_ids=document_ids)
         self._criterion = None
+        if self.is_last and self._calls != self.micro_num:
+            raise RuntimeError(f"torch {torch.__version__}: the pipeline schedule computed {self._calls} micro-batch "
+                               f"losses outside metadata inference, expected {self.micro_num}; update "
+                               f"internlm_core/parallel/pipeline.py for this version")
 
     # ---- forward only (evaluation) ----------------------------------------------------------------
 

@@ -18,6 +18,7 @@ from torch.distributed.tensor.parallel import loss_parallel
 from ..distributed.parallel_dims import ParallelDims
 from ..errors import DataError
 from ..loss import FlashGPTLMLoss
+from ..loss_norm import LossNormalizer
 from ..metrics import AccPerplex, Throughput
 from ..model import TrainingHooks
 from ..numerics import Kernels, Precision
@@ -163,7 +164,7 @@ class Trainer:
             return self._forward_backward(batch, n, scale, forward_only)
 
     def _forward_backward(self, batch: dict, n: int, scale: float, forward_only: bool) -> torch.Tensor:
-        total = torch.zeros((), device=self.device)
+        total, norm = torch.zeros((), device=self.device), LossNormalizer(n, self.dims.dp, self.dims.cp)
         hook, fire, view = self.metric_hook, self.callbacks.fire, self.view()
         for i, mb in enumerate(self._micro_batches(batch, n)):
             last = i == n - 1
@@ -177,8 +178,7 @@ class Trainer:
                 fire("on_before_criterion", view)
                 with hook.phase("cal_loss"):
                     loss, side = self.loss_fn(logits, mb["labels"])
-                if "loss_share" in mb:  # context parallel: this chunk's part of the micro-batch's mean
-                    loss = loss * mb["loss_share"]
+                loss = norm.weighted(loss, mb.get("loss_share"))  # context parallel: the chunk's part of the mean
                 fire("on_after_criterion", view)
             logits = logits.detach()
             hook.record(logits, mb["labels"], mb["type_ids"], side.token_losses, side.predictions)
@@ -188,12 +188,11 @@ class Trainer:
             total += loss.detach()
             if not forward_only:
                 fire("on_before_backward", view)
-                self.family.before_backward(self.model, scale / n)
+                self.family.before_backward(self.model, norm.aux_factor(scale))
                 with hook.phase("bwd"):
-                    # FSDP averages over the context ranks too: times cp, their parts of the mean are summed
-                    (loss * (scale * self.dims.cp / n)).backward()
+                    (loss * norm.backward_factor(scale)).backward()
                 fire("on_after_backward", view)
-        return total / n
+        return norm.rank_loss(total)
 
     def _gradient_sync(self, last: bool) -> None:
         """FSDP, by Kernels.grad_reduce: sharded data parallel reduce-scatters every micro-batch (and HSDP
@@ -204,35 +203,34 @@ class Trainer:
             self.model.set_requires_all_reduce(last)
 
     def _pipeline_forward_backward(self, batch: dict, n: int, scale: float) -> torch.Tensor:
-        """One step through torch.distributed.pipelining: the last stage computes each micro-batch's loss
-        and feeds the metrics; gradients are divided by n there, as `loss / n` does above."""
-        losses: list[torch.Tensor] = []
+        """One step through torch.distributed.pipelining: the last stage computes each micro-batch's loss, feeds
+        the metrics and backpropagates it normalized as above (the schedule divides nothing)."""
+        total, norm = torch.zeros((), device=self.device), LossNormalizer(n, self.dims.dp, self.dims.cp)
         hook, fire, view = self.metric_hook, self.callbacks.fire, self.view()
         from ..parallel.pipeline import stack_micro_batches  # torch.distributed.pipelining: pipeline runs only
         x = stack_micro_batches(list(self._micro_batches(batch, n)))
-        shares = x["loss_shares"]  # context parallel: each chunk's part of its micro-batch's mean, as above
+        # each micro-batch's loss share, looked up on the device by the index its target carries (1.0 without CP)
+        shares = to_device(torch.tensor(x["loss_shares"] or [1.0] * n, dtype=torch.float32, device="cpu"), self.device)
 
-        def criterion(logits: torch.Tensor, labels: torch.Tensor, type_ids: torch.Tensor, record: bool) -> torch.Tensor:
-            share = 1.0 if shares is None else shares[min(len(losses), n - 1)]  # the calls follow micro-batch order
-            if not record:
-                return self.loss_fn(logits, labels)[0] * (scale * share * self.dims.cp)
+        def criterion(logits: torch.Tensor, labels: torch.Tensor, type_ids: torch.Tensor, index: torch.Tensor,
+                      record: bool) -> torch.Tensor:
+            if not record:  # torch's metadata inference: its gradients are discarded, no metrics
+                return norm.weighted(self.loss_fn(logits, labels)[0], shares[index]) * norm.backward_factor(scale)
             fire("on_before_criterion", view)
             with hook.phase("cal_loss"):
                 loss, side = self.loss_fn(logits, labels)
             fire("on_after_criterion", view)
             hook.record(logits.detach(), labels, type_ids, side.token_losses, side.predictions)
             fire("on_micro_batch_end", view, logits.detach(), labels, type_ids, side.token_losses, side.predictions)
-            losses.append(loss.detach() * share)
-            return loss * (scale * share * self.dims.cp)
+            loss = norm.weighted(loss, shares[index])
+            total.add_(loss.detach())
+            return loss * norm.backward_factor(scale)
 
-        # the schedule divides every gradient by n after the backwards (scale_grads): the family's losses too
-        self.family.before_backward(self.model, scale)
+        self.family.before_backward(self.model, norm.aux_factor(scale))
         with self.autocast(), hook.phase("fwd_bwd"):
             self.pipeline.train_step(x["input_ids"], x["labels"], x["type_ids"], x["position_ids"],
                                      x["document_ids"], criterion)
-        if not losses:
-            return torch.zeros((), device=self.device)
-        return torch.stack(losses).mean()
+        return norm.rank_loss(total)
 
     def optimizer_step(self) -> tuple[bool, float]:
         """Clip and step; skip the update (and count it) when the gradient is inf/nan."""
@@ -267,7 +265,7 @@ class Trainer:
         if self.dims.dp_cp * self.dims.pp > 1:
             loss = loss.clone()
             collectives.all_reduce(loss, op=dist.ReduceOp.SUM, group=self.dims.group("pp_dp"))
-            loss /= self.dims.dp
+            loss = LossNormalizer(self.loop.micro_num, self.dims.dp, self.dims.cp).global_loss(loss)
         return loss.item()
 
     # ---- the loop --------------------------------------------------------------------------------
