@@ -76,6 +76,28 @@ def stage_context(cfg: Config, lay: Layout, figures: ModelFigures, precision: st
         recomputed=tokens * tb.block if checkpointed else 0.0, head_activations=tokens * tb.head, figures=figures)
 
 
+def activation_context(cfg: Config, lay: Layout, precision: str, comp: int, device: str, attention: str
+                       ) -> ActivationContext:
+    """The dtypes a block's saved tensors have, by numerics/precision.py's policy. This code base ("internlm_core"):
+    under FSDP (data x context parallel > 1) its policy gathers 16-bit parameters and autocast is off, so the
+    residual stream and every linear input are in the compute dtype (no casts); without FSDP the parameters stay
+    fp32 and the residual stream with them, and autocast casts each linear's input. "internlm": InternLM's own
+    bf16 model (no autocast)."""
+    fsdp = lay.dp > 1  # parallel/dtype_policy.fsdp_wraps: dp here counts the context ranks too
+    ours = precision == "internlm_core"
+    return ActivationContext(seq_len=cfg.data.seq_len, compute_bytes=comp,
+                             residual_bytes=4 if ours and not fsdp else comp,
+                             # torch's RMSNorm keeps input and normalized output on CPU (composite), the input
+                             # only on CUDA (fused kernel, InternLM's apex norm)
+                             norm_tensors=2 if (ours and device == "cpu") else 1,
+                             autocast=ours and comp == 2 and not fsdp,
+                             # context parallel: model/context's blockwise core keeps what flash-attn keeps (q, k,
+                             # v, output, log-sum-exp) and no mask; its per-block transients are small
+                             attention="flash" if lay.cp > 1 else attention,
+                             packed_documents=not cfg.data.pack_sample_into_one, repeat_kv=device == "cuda",
+                             norm_bytes=4 if ours and device == "cpu" else None)
+
+
 def estimate(cfg: Config, world_size: int = 1, precision: str = "internlm_core", mfu: float = DEFAULT_MFU,
              peak_tflops: float = DEFAULT_PEAK_TFLOPS, attention: Optional[str] = None,
              device_memory_gib: Optional[float] = None, args: Optional[Any] = None,
@@ -105,16 +127,7 @@ def estimate(cfg: Config, world_size: int = 1, precision: str = "internlm_core",
     k = choose_kernels(cfg, lay, numerics, device, attention, grad_reduce, linear, cpu)
     comp = numerics.compute_dtype.itemsize
     figures = ModelFigures.resolve(spec, args, lay, d.seq_len)
-    ctx = ActivationContext(seq_len=d.seq_len, compute_bytes=comp,
-                            residual_bytes=4 if precision == "internlm_core" else comp,
-                            # torch's RMSNorm keeps input and normalized output on CPU (composite), the input
-                            # only on CUDA (fused kernel, InternLM's apex norm)
-                            norm_tensors=2 if (precision == "internlm_core" and device == "cpu") else 1,
-                            autocast=precision == "internlm_core" and comp == 2,
-                            # context parallel: model/context's blockwise core keeps what flash-attn keeps (q, k,
-                            # v, output, log-sum-exp) and no mask; its per-block transients are small
-                            attention="flash" if lay.cp > 1 else k.attention,
-                            packed_documents=not d.pack_sample_into_one, repeat_kv=device == "cuda")
+    ctx = activation_context(cfg, lay, precision, comp, device, k.attention)
     tb = token_bytes(figures, args, ctx, lay, k.cross_entropy, d.micro_num)
     tokens = d.micro_bsz * d.seq_len // lay.cp
     vocab = figures.counts.logits(args)

@@ -21,7 +21,7 @@ with the same dimensions are summed before the division (exact integer sums, as 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Optional
 
 from .attention import CAUSAL_BLOCK
 
@@ -85,6 +85,9 @@ class ActivationContext:
     residual_bytes: bytes of the residual stream (4 under autocast, where it stays fp32; else compute_bytes).
     norm_tensors: tensors an RMSNorm keeps per element: 1 (CUDA's fused kernel, InternLM's apex norm: its
         input), 2 (torch's composite norm on CPU: input and normalized output).
+    norm_bytes: bytes per element of what a norm keeps where that is not its input's dtype (torch's composite
+        CPU norm keeps fp32 copies of a 16-bit input: 4); None: the input's (the residual stream's, or the compute
+        dtype for q/k norms).
     autocast: 16-bit compute over fp32 parameters (every linear casts its input and weight).
     attention: the attention kernel ("flash", "sdpa", "cpu_blocked").
     packed_documents: rows pack several documents (data.pack_sample_into_one False): attention needs masks.
@@ -100,6 +103,7 @@ class ActivationContext:
     attention: str
     packed_documents: bool
     repeat_kv: bool = False
+    norm_bytes: Optional[int] = None
 
 
 def _none(args: Any, ctx: ActivationContext) -> list[Term]:

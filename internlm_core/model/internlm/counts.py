@@ -2,11 +2,12 @@
 backward keeps, term by term (checked against `saved_tensors_hooks` in tests/unit/test_estimate.py).
 
 Per token and block, h hidden, kv key/value width, f FFN width, H heads, s seq_len, a compute bytes, r residual
-bytes (fp32 under autocast), n tensors an RMSNorm keeps (see ActivationContext):
+bytes (fp32 under autocast without FSDP; see ActivationContext), n tensors an RMSNorm keeps, each of r bytes
+per element (4 on CPU: torch's composite norm keeps fp32 copies; see ActivationContext.norm_bytes):
 
     2 RMSNorms         2 * (n * r * h + 8)       the normalized input(s) and the fp32 rstd
     linear inputs      k * a * h                 k = 5 under autocast (q, k, v, w1, w2 each cast their input),
-                                                 2 when the compute dtype is the parameter dtype
+                                                 2 when the compute dtype is the parameter dtype (or FSDP's)
     attention          a * (2h + 2kv) + 4H       q, k, v, output, log-sum-exp (flash-attn, SDPA)
     document mask      a * s                     SDPA with a packed-document mask only (not flash-attn)
     cpu_blocked        a * (2h + 2kv) + p * H * w  q, k, v, output and the probabilities, w keys per query on
@@ -73,7 +74,7 @@ def block_activations(a: ModelArgs, c: ActivationContext) -> list[Term]:
         probs = Term("attention probabilities", (4 + (2 if comp == 2 else 0)) * H * keys_per_query(c.seq_len), TP)
     else:
         probs = Term("log-sum-exp", 4 * H, TP)
-    terms = [Term("norms", 2 * (c.norm_tensors * c.residual_bytes * h + 8), SP),
+    terms = [Term("norms", 2 * (c.norm_tensors * (c.norm_bytes or c.residual_bytes) * h + 8), SP),
              Term("linear inputs", (5 if c.autocast else 2) * comp * h, SP),
              Term("q, k, v, attention output", comp * (2 * q + 2 * kv), TP),
              probs,
@@ -83,7 +84,8 @@ def block_activations(a: ModelArgs, c: ActivationContext) -> list[Term]:
         if c.repeat_kv and kv < q:  # k and v repeated to every query head, kept for backward (~7% for 7B GQA)
             terms.append(Term("k, v repeated to the query heads", 2 * comp * (q - kv), TP))
     if a.qk_norm:  # the norms' inputs and their fp32 rstd, per head
-        terms.append(Term("q/k norms", c.norm_tensors * comp * (q + kv) + 8 * (H + a.num_kv_heads), TP))
+        terms.append(Term("q/k norms", c.norm_tensors * (c.norm_bytes or comp) * (q + kv) + 8 * (H + a.num_kv_heads),
+                          TP))
     return terms
 
 
@@ -101,7 +103,7 @@ def shared_activations(a: ModelArgs, c: ActivationContext) -> list[Term]:
 
 
 def head_activations(a: ModelArgs, c: ActivationContext) -> list[Term]:
-    return [Term("final norm", c.norm_tensors * c.residual_bytes * a.hidden_size + 8, SP),
+    return [Term("final norm", c.norm_tensors * (c.norm_bytes or c.residual_bytes) * a.hidden_size + 8, SP),
             Term("output input", c.compute_bytes * a.hidden_size)]
 
 
