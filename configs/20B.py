@@ -2,8 +2,8 @@
 # in the keys of InternLM's configs/7B_sft.py (commit aaaf4d7).
 # Layouts (tools/estimate.py --config configs/20B.py --gpus N --set ..., H100/H200 80 GiB, bf16, seq 4096):
 # (the layout without activation recomputation and with the fewest pipeline stages that fits, micro_num 8)
-#   64 GPUs:  tensor 4 + sequence parallel, pipeline 1, zero1=-1 (FSDP over dp 16), micro_bsz 2: 36.6 GiB per GPU  <- the `parallel` below
-#   256 GPUs: tensor 4 + sequence parallel, pipeline 1, zero1=-1 (FSDP over dp 64), micro_bsz 2: 33.0 GiB per GPU
+#   64 GPUs:  tensor 4 + sequence parallel, pipeline 1, zero1=-1 (FSDP over dp 16), micro_bsz 2: 30.7 GiB per GPU  <- the `parallel` below
+#   256 GPUs: tensor 4 + sequence parallel, pipeline 1, zero1=-1 (FSDP over dp 64), micro_bsz 2: 27.2 GiB per GPU
 JOB_NAME = "20b_train"
 DO_ALERT = False
 

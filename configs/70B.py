@@ -2,8 +2,8 @@
 # 68,976,648,192 parameters), in the keys of InternLM's configs/7B_sft.py (commit aaaf4d7).
 # Layouts (tools/estimate.py --config configs/70B.py --gpus N --set ..., H100/H200 80 GiB, bf16, seq 4096):
 # (the layout without activation recomputation and with the fewest pipeline stages that fits, micro_num 8)
-#   64 GPUs:  tensor 8 + sequence parallel, pipeline 1, zero1=-1 (FSDP over dp 8), micro_bsz 2: 49.2 GiB per GPU  <- the `parallel` below
-#   256 GPUs: tensor 8 + sequence parallel, pipeline 1, zero1=-1 (FSDP over dp 32), micro_bsz 2: 37.1 GiB per GPU
+#   64 GPUs:  tensor 8 + sequence parallel, pipeline 1, zero1=-1 (FSDP over dp 8), micro_bsz 2: 42.9 GiB per GPU  <- the `parallel` below
+#   256 GPUs: tensor 8 + sequence parallel, pipeline 1, zero1=-1 (FSDP over dp 32), micro_bsz 2: 30.8 GiB per GPU
 JOB_NAME = "70b_train"
 DO_ALERT = False
 

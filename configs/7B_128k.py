@@ -3,12 +3,12 @@
 #
 # Recommended layout on 64 GPUs (tools/estimate.py --gpus 64: bf16, activation checkpointing, FSDP over all 64
 # ranks = data 8 x context 8), per GPU:
-#   context=dict(size=8, mode="all_to_all")  16,384 tokens per rank (8 k/v heads: one per rank); peak 19.2 GiB
-#       (activations 14.4, parameters 0.45, AdamW 0.9), 17.5 GiB sent per step in all-to-alls   <- set below
+#   context=dict(size=8, mode="all_to_all")  16,384 tokens per rank (8 k/v heads: one per rank); peak 14.5 GiB
+#       (activations 9.7, parameters 0.45, AdamW 0.9), 17.5 GiB sent per step in all-to-alls   <- set below
 #   context=dict(size=8, mode="ring")         the same memory; 60 GiB sent per step (k/v and their fp32 gradients
 #       travel around the ring): for head counts all_to_all cannot split
-#   context=dict(size=16, mode="2d", inner=8) data 4: peak 12.0 GiB, 14.8 GiB sent (all-to-all inside 8, ring of 2)
-#   context=dict(size=4, mode="all_to_all")   data 16: peak 33.7 GiB, 30 GiB sent per step
+#   context=dict(size=16, mode="2d", inner=8) data 4: peak 9.7 GiB, 14.8 GiB sent (all-to-all inside 8, ring of 2)
+#   context=dict(size=4, mode="all_to_all")   data 16: peak 24.1 GiB, 30 GiB sent per step
 # Estimated, not measured on GPUs (no GPU here); `tools/estimate.py --config configs/7B_128k.py --gpus 64`.
 JOB_NAME = "7b_128k"
 

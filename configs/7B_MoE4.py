@@ -1,7 +1,7 @@
 # InternEvo's 7B_MoE4_sft.py shape: the InternLM-7B block (32 layers, hidden 4096, 32 heads, bias on q/k/v/o)
 # with 4 experts of width 5632 (mlp_ratio 4/3) in every FFN, top-2 GShard routing: 11,852,320,768 parameters.
 # Layout (tools/estimate.py --config configs/7B_MoE4.py --gpus 8, 80 GiB GPUs, bf16, seq 2048): FSDP over dp 8,
-# expert parallel 4 (experts FSDP over the 2 ranks left): 53.6 GiB per GPU <- the `parallel` below.
+# expert parallel 4 (experts FSDP over the 2 ranks left): 48.5 GiB per GPU <- the `parallel` below.
 JOB_NAME = "7b_moe4_train"
 DO_ALERT = False
 

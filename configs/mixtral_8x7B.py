@@ -2,10 +2,10 @@
 # top-2 dropless routing, vocabulary 32000: 46,702,792,704 parameters, 12.9 B active per token), in InternLM's keys.
 # Layouts (tools/estimate.py --config configs/mixtral_8x7B.py --gpus N --set ..., 80 GiB GPUs, bf16, seq 4096,
 # micro_bsz 1, micro_num 8; tensor parallel replicates the routed experts over the tensor ranks (InternEvo's no_tp), so
-# it does not shrink them: tensor 2 x expert 8 needs 66.3 GiB, no less than tensor 1):
-#   64 GPUs:  pipeline 1, FSDP over dp 64, expert parallel 8 (experts FSDP over the 8 left): 56.9 GiB  <- below
-#   64 GPUs:  pipeline 4, FSDP over dp 16, expert parallel 8:                                    58.9 GiB
-#   128 GPUs: pipeline 1, FSDP over dp 128, expert parallel 8:                                  51.4 GiB
+# it does not shrink them: tensor 2 x expert 8 needs 61.3 GiB, no less than tensor 1):
+#   64 GPUs:  pipeline 1, FSDP over dp 64, expert parallel 8 (experts FSDP over the 8 left): 51.8 GiB  <- below
+#   64 GPUs:  pipeline 4, FSDP over dp 16, expert parallel 8:                                    53.9 GiB
+#   128 GPUs: pipeline 1, FSDP over dp 128, expert parallel 8:                                  46.4 GiB
 # Rank 0 of 64 simulated on a CPU (bench/simulate_table.py --cases mixtral@64: seq 128, 4 micro-batches, bf16):
 # see the README's table.
 JOB_NAME = "mixtral_8x7b_train"
