@@ -18,6 +18,7 @@ from ..errors import ConfigError
 from ..model.spec import get_model_spec
 from ..utils.redact import drop_redacted, redact_tree, register_tree
 from .ckpt_names import CKPT_TYPE_ALIASES, CKPT_TYPES, CONTENTS
+from .recompute import checkpoint_plan
 from .compat import normalize
 from .context import check_context
 from .fault_tolerance import check_fault_tolerance
@@ -320,12 +321,12 @@ def _check_choices(cfg: Config) -> None:
     if m.dtype not in set(_DTYPES.values()):
         raise ConfigError(f"model.dtype: expected one of torch.float32, torch.tf32, torch.bfloat16, torch.float16, "
                           f"got {m.dtype!r}")
-    if not isinstance(m.checkpoint, bool) and not 0.0 <= float(m.checkpoint) <= 1.0:
-        raise ConfigError(f"model.checkpoint: expected True, False or a fraction in [0, 1], got {m.checkpoint!r}")
+    checkpoint_plan(m.checkpoint)  # True, False, "full", "selective" or a fraction; ConfigError naming the key
     if cfg.adam.fused not in ("auto", "torch", "apex"):
         raise ConfigError(f"adam.fused: expected auto, torch or apex, got {cfg.adam.fused!r}")
-    if m.attn_backend not in ("auto", "flash", "sdpa", "cpu_blocked"):
-        raise ConfigError(f"model.attn_backend: expected auto, flash, sdpa or cpu_blocked, got {m.attn_backend!r}")
+    if m.attn_backend not in ("auto", "flash", "torch_varlen", "sdpa", "cpu_blocked"):
+        raise ConfigError(f"model.attn_backend: expected auto, flash, torch_varlen, sdpa or cpu_blocked, "
+                          f"got {m.attn_backend!r}")
     if not 0.0 <= cfg.lr_scheduler.warmup_ratio <= 1.0:
         raise ConfigError(f"lr_scheduler.warmup_ratio: expected a fraction in [0, 1], got {cfg.lr_scheduler.warmup_ratio}")
     if not 0.0 <= cfg.loss.label_smoothing < 1.0:

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 from typing import Any, Optional
 
 from ..config import Config
+from ..config.recompute import checkpoint_plan
 from ..model import get_model_spec, model_args_from_config
 from ..model.counts import ActivationContext
 from ..numerics.kernels import (LINEAR, select_attention, select_cross_entropy, select_grad_reduce,
@@ -52,9 +53,11 @@ def choose_kernels(cfg: Config, lay: Layout, numerics: Any, device: str, attenti
 
 
 def checkpointed_blocks(cfg: Config, layers: int) -> int:
-    """How many of a stage's `layers` are recomputed (model.checkpoint: True, False or a fraction)."""
-    c = cfg.model.checkpoint
-    return round((1.0 if c is True else 0.0 if c is False else float(c)) * layers)
+    """How many of a stage's `layers` are recomputed whole (model.checkpoint: True, "full", False or a fraction).
+    "selective" keeps the matmuls' outputs, most of a block's activations: counted as not recomputed (an upper
+    bound; the notes say so)."""
+    policy, fraction = checkpoint_plan(cfg.model.checkpoint)
+    return 0 if policy == "selective" else round(fraction * layers)
 
 
 def stage_context(cfg: Config, lay: Layout, figures: ModelFigures, precision: str, comp: int, k: Kernels,
@@ -154,6 +157,8 @@ def estimate(cfg: Config, world_size: int = 1, precision: str = "internlm_core",
                  device_memory=device_memory_gib * GiB if device_memory_gib else None, communication=comm,
                  linear=k.linear, model_communication=model_comm,
                  context_bytes=context_exchange_bytes(cfg, lay, comp, c.layers))
+    e.figures, e.model_args, e.token_bytes, e.stage_layers, e.checkpointed = figures, args, tb, c.layers, \
+        c.checkpointed
     if device == "cuda":
         e.device_runtime = cuda_runtime_bytes(lay)
     e.notes = notes(e, c, acts.in_flight, pipeline_rank)
@@ -204,6 +209,9 @@ def notes(e: Estimate, c: StageContext, in_flight: float, pipeline_rank: Optiona
                        f"the {d.micro_num} micro-batches ({mem.accumulated_gradients / GiB:.1f} GiB beyond the shard)")
     if c.checkpointed:
         out.append(f"activation checkpointing: {c.checkpointed} of {c.layers} layers per stage keep only their input")
+    if e.cfg.model.checkpoint == "selective":
+        out.append("selective activation checkpointing: counted as keeping every activation (an upper bound: "
+                   "the elementwise ops' outputs are recomputed)")
     if lay.pp > 1 and mem.gradients == 0 and e.precision == "internlm_core":
         out.append(f"pipeline stage '{mem.stage}' runs all {d.micro_num} forwards before its first backward: its "
                    f"peak comes before the step's gradients exist (they are not counted)")

@@ -35,7 +35,7 @@ class ParallelOptions:
     inputs: ModelInputs        # the family's view (its args for a simulated pipeline's stage shapes)
     seed: int                  # initial values of a model materialized after sharding
     num_chunks: int = 1        # model.num_chunks: virtual pipeline stages per rank
-    checkpoint: Any = False    # model.checkpoint: activation checkpointing (bool or fraction of blocks)
+    checkpoint: Any = False    # model.checkpoint: activation checkpointing ("full", "selective", bool or fraction)
     compile: bool = False      # model.compile
     sequence_parallel: bool = False
     parallel_output: bool = True
