@@ -67,7 +67,7 @@ def micro_batch_target(labels: torch.Tensor, type_ids: torch.Tensor, micro_num: 
 def split_target(target: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(labels, type_ids, index) of one micro-batch's target (`micro_batch_target`); index: a 0-dim tensor on the
     target's device (read there, never on the host)."""
-    return target[..., 0], target[..., 1], target[..., 2].reshape(-1)[0]
+    return target[..., 0], target[..., 1], target[(0,) * (target.dim() - 1)][2]  # a view: no copy, no host read
 
 
 # criterion(logits, labels, type_ids, index, record) -> the loss to backpropagate (see PipelineParallel.train_step)
