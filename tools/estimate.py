@@ -39,14 +39,22 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "internlm: bf16 parameters and gradients, fp32 master + AdamW sharded over zero1 (InternLM)")
     p.add_argument("--mfu", type=float, default=DEFAULT_MFU,
                    help=f"model FLOPs utilization assumed for the step time (default {DEFAULT_MFU})")
-    p.add_argument("--peak-tflops", type=float, default=DEFAULT_PEAK_TFLOPS,
-                   help=f"peak TFLOP/s of one device for the compute dtype (default {DEFAULT_PEAK_TFLOPS:g}: "
-                        f"H100/H200 dense bf16; A100: 312)")
-    p.add_argument("--gpu-memory-gib", type=float, default=80.0,
-                   help="device memory to check the total against (default 80; 0: no check)")
-    p.add_argument("--attention", choices=["flash", "sdpa", "cpu_blocked"], default=None,
+    p.add_argument("--peak-tflops", type=float, default=None,
+                   help=f"peak TFLOP/s of one device for the compute dtype (default: --gpu's, else "
+                        f"{DEFAULT_PEAK_TFLOPS:g}: H100/H200 dense bf16; A100: 312)")
+    p.add_argument("--gpu-memory-gib", type=float, default=None,
+                   help="device memory to check the total against (default: --gpu's, else 80; 0: no check)")
+    p.add_argument("--gpu", default=None, metavar="NAME",
+                   help="predict step time, tokens/s per GPU and MFU on this GPU (h100, h200, a100: "
+                        "internlm_core/estimate/gpus.py), with the terms that bound it")
+    p.add_argument("--no-flash-attn", action="store_true",
+                   help="flash-attn not installed: attention on numerics' next choice (default: installed)")
+    p.add_argument("--expert-gemm", choices=["grouped", "loop"], default=None,
+                   help="MoE expert GEMMs for --gpu (default: grouped on Hopper, loop on A100)")
+    p.add_argument("--attention", choices=["flash", "torch_varlen", "sdpa", "cpu_blocked"], default=None,
                    help="attention kernel (default: what the trainer chooses with flash-attn installed: flash for "
-                        "bf16/fp16 when the config uses flash-attn, else sdpa with document masks)")
+                        "bf16/fp16 when the config uses flash-attn, else sdpa with document masks; "
+                        "--no-flash-attn: its choice without flash-attn)")
     p.add_argument("--device", choices=["gpu", "cpu"], default="gpu",
                    help="gpu (default): CUDA devices with requirements-gpu.txt; cpu: this machine's CPU path (the "
                         "blocked attention and what it keeps, and the process itself: its resident memory after "
@@ -85,10 +93,17 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     from internlm_core.config import load_config
     from internlm_core.errors import ConfigError
-    from internlm_core.estimate import GiB, Memory, estimate, format_estimate
+    from internlm_core.estimate import DEFAULT_PEAK_TFLOPS, GiB, Memory, estimate, format_estimate
+    from internlm_core.estimate.gpus import gpu_spec
+    from internlm_core.estimate.speed import default_attention, default_kernels, format_prediction, predict
 
     if args.gpus < 1:
         raise ConfigError(f"--gpus: expected a positive number of devices, got {args.gpus}")
+    gpu = gpu_spec(args.gpu) if args.gpu else None
+    if args.peak_tflops is None:
+        args.peak_tflops = gpu.peak_tflops if gpu else DEFAULT_PEAK_TFLOPS
+    if args.gpu_memory_gib is None:
+        args.gpu_memory_gib = gpu.memory_gib if gpu else 80.0
     if not 0 < args.mfu <= 1:
         raise ConfigError(f"--mfu: expected a fraction in (0, 1], got {args.mfu}")
     sets = (size_overrides(args.config, args.size) if args.size else []) + list(args.set)
@@ -101,12 +116,15 @@ def main(argv=None) -> int:
         from internlm_core.trainer.simulate import process_before_model
 
         runtime = process_before_model()
+    if args.no_flash_attn and args.attention is None:
+        args.attention = default_attention(cfg, flash_attn=False)
     kw = dict(mfu=args.mfu, peak_tflops=args.peak_tflops, attention=args.attention, grad_reduce=args.grad_reduce,
               device_memory_gib=args.gpu_memory_gib or None, device="cuda" if args.device == "gpu" else "cpu",
               pipeline_rank=args.pipeline_rank, runtime_bytes=runtime, linear=args.linear)
     e = estimate(cfg, args.gpus, precision=args.precision, **kw)
     other = estimate(cfg, args.gpus, precision="internlm" if args.precision == "internlm_core" else "internlm_core",
                      **kw)
+    pred = predict(e, gpu, default_kernels(e, gpu, args.expert_gemm)) if gpu else None
     if args.json:
         mem = {k: getattr(e.memory, k) / GiB for k in Memory.ORDER}
         mem["total"] = e.memory.total / GiB
@@ -120,10 +138,16 @@ def main(argv=None) -> int:
             "memory_gib": mem, "stage": e.memory.stage, "communication": dataclasses.asdict(e.communication),
             "step_time_s": e.step_time, "tokens_per_device_per_second": e.tokens_per_device_per_second,
             "mfu": e.mfu, "peak_tflops": args.peak_tflops, "notes": e.notes,
-            **({"model_communication": e.model_communication} if e.model_communication else {})}, indent=2))
+            **({"model_communication": e.model_communication} if e.model_communication else {}),
+            **({"prediction": {"gpu": pred.gpu.name, "step_time_s": pred.step_time, "mfu": pred.mfu,
+                               "tokens_per_gpu_per_second": pred.tokens_per_gpu_per_second,
+                               "kernels": dataclasses.asdict(pred.kernels), "terms_s": pred.terms,
+                               "bound_by": pred.bound_by()}} if pred else {})}, indent=2))
         return 0
     print(f"{args.config} on {args.gpus} device(s)")
     print(format_estimate(e, other))
+    if pred:
+        print(format_prediction(pred))
     return 0
 
 

@@ -161,6 +161,13 @@ class Estimate:
     context_bytes: float = 0.0
     # CUDA: the context and NCCL's communicator buffers, outside the caching allocator (not in memory.total)
     device_runtime: float = 0.0
+    # what the speed prediction (speed.py) reads: the family's resolved counts, its module args, the per-token
+    # bytes, and the busiest stage's layers and recomputed layers
+    figures: Any = None
+    model_args: Any = None
+    token_bytes: Any = None
+    stage_layers: int = 0
+    checkpointed: int = 0
 
     @property
     def step_time(self) -> float:
