@@ -4,6 +4,7 @@ Against the single-process layer with all experts on each rank's batch: outputs 
 router's gradient that of the rank's own batch, and each local expert's weight gradient the sum of both ranks'
 contributions. Cases: dropless; GShard with capacity drops and random token selection (the same drops as the
 reference given each rank's seed); experts as DTensors Shard(0) with grouped GEMMs; a rank whose experts get no rows.
+Each forward and backward reads the device on the host once (tests/helpers/host_syncs.py): the count matrix.
 """
 
 from __future__ import annotations
@@ -53,7 +54,8 @@ def check_case(case: str, rank: int) -> None:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Shard, distribute_tensor
 
-    from internlm_core.model.moe import MoEArgs, MoEFeedForward
+    from internlm_core.model.moe import MoEArgs, MoEFeedForward, grouped_mm_available
+    from tests.helpers.host_syncs import HostSyncs
 
     h = 16
     kw = dict(num_experts=4, top_k=2, ffn_width=8, aux_loss_coeff=0.01, z_loss_coeff=0.001)
@@ -76,7 +78,11 @@ def check_case(case: str, rank: int) -> None:
     ep.set_expert_parallel(None, 2, rank)
 
     x, grad = batch(rank, h, case)
-    out, x_grad = run(ep, x, grad, seed=1000 + rank)
+    grouped_mm_available(x.device, x.dtype)  # the grouped GEMM's one-time probe, not part of a forward
+    with HostSyncs(torch.device("cpu")) as syncs:
+        out, x_grad = run(ep, x, grad, seed=1000 + rank)
+    # one host sync per forward and backward: the copy of the sent and received row counts
+    assert syncs.events == [("d2h", "tolist")], (case, syncs.sites)
     ref_out, ref_x_grad = run(ref, x, grad, seed=1000 + rank)
     ref_gate_grad = ref.gate.weight.grad.clone()
     other_x, other_grad = batch(1 - rank, h, case)

@@ -11,19 +11,34 @@ the loss); default 1.0.
 
 from __future__ import annotations
 
+import struct
+
 import torch
 
-_SCALE = torch.ones(())  # a tensor updated in place: a compiled backward reads its current value
+_SCALE = {"value": 1.0}  # the current scale, on the host
+# an fp32 copy on each device a backward ran on, updated in place with it (a compiled backward reads the current
+# value; a backward copying a host tensor to the device would make the host wait for the device)
+_ON_DEVICE: dict[torch.device, torch.Tensor] = {}
 
 
 def set_aux_loss_scale(scale: float) -> None:
     """d(loss)/d(aux_total) for the backwards to come (the grad scaler's scale / the micro-batch count)."""
-    _SCALE.fill_(float(scale))
+    _SCALE["value"] = struct.unpack("f", struct.pack("f", float(scale)))[0]  # the fp32 value the gradient gets
+    for t in _ON_DEVICE.values():
+        t.fill_(_SCALE["value"])  # a fill kernel with the value as its argument: no copy from the host
+
+
+def _scale_on(device: torch.device) -> torch.Tensor:
+    """The fp32 scale on `device` (made there by a fill on first use, then kept up to date)."""
+    t = _ON_DEVICE.get(device)
+    if t is None:
+        t = _ON_DEVICE[device] = torch.full((), _SCALE["value"], dtype=torch.float32, device=device)
+    return t
 
 
 def aux_loss_scale() -> float:
     """The current scale set by `set_aux_loss_scale`."""
-    return float(_SCALE)
+    return _SCALE["value"]
 
 
 class _AuxLossScaler(torch.autograd.Function):
@@ -37,7 +52,7 @@ class _AuxLossScaler(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_output: torch.Tensor):
         shape, dtype, device = ctx.aux_meta
-        return grad_output, _SCALE.to(device=device, dtype=dtype).expand(shape).clone()
+        return grad_output, _scale_on(device).to(dtype).expand(shape).clone()
 
 
 @torch.compiler.disable

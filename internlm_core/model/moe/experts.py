@@ -21,6 +21,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from ...utils.transfer import to_device
 from ..layers import Linear, linear
 from .router import local_tensor
 
@@ -104,7 +105,9 @@ class GroupedExperts(nn.Module):
                  w2: torch.Tensor) -> torch.Tensor:
         """One grouped GEMM per projection over every local expert (operands cast to the compute dtype)."""
         dtype = _compute_dtype(rows)
-        offs = torch.tensor(list(itertools.accumulate(counts)), dtype=torch.int32, device=rows.device)
+        ends = torch.tensor(list(itertools.accumulate(counts)), dtype=torch.int32)
+        # through pinned memory on CUDA (a pageable copy makes the host wait); traced as a plain constant
+        offs = ends.to(rows.device) if torch.compiler.is_compiling() else to_device(ends, rows.device)
         with torch.autocast(rows.device.type, enabled=False):
             x = rows.to(dtype)
             h1 = torch._grouped_mm(x, w1.to(dtype).transpose(-2, -1), offs=offs)

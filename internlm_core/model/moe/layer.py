@@ -5,6 +5,9 @@
                              holding the expert and back (dispatch.py)
     experts (GroupedExperts) w2(silu(w1 x) * w3 x) per expert ("loop" or "grouped" GEMMs, experts.py)
     combine                  out[t] = sum_kept w * expert(x_t), in fp32
+    host syncs               one per forward on a CUDA run: the per-expert row counts (the GEMMs' and the
+                             all-to-alls' sizes); routing, sorting, statistics and the aux-loss scale stay on
+                             the device (tests/unit/test_moe_host_syncs.py)
     shared_experts           optional dense SwiGLU mixed in by a learned 2-way coefficient (InternEvo's residual MoE)
     aux losses               aux_loss_coeff * l_aux + z_loss_coeff * l_z reach the gradient through the output
                              (aux_loss.py), scaled by set_aux_loss_scale
@@ -34,7 +37,7 @@ from ...errors import ConfigError
 from ..layers import Linear
 from .args import MoEArgs
 from .aux_loss import attach_aux_loss
-from .dispatch import combine, run_expert_parallel, sort_pairs
+from .dispatch import combine, exchange_counts, run_expert_parallel, sort_pairs
 from .experts import GroupedExperts, SharedExperts
 from .router import Router, Routing, route
 from .stats import MoEStats, StatsAccumulator, stats_of
@@ -114,11 +117,15 @@ class MoEFeedForward(nn.Module):
         flat = x.reshape(-1, x.shape[-1])
         routing = route(self.gate(flat), self.args, self.training, self.gate.expert_bias)
         pairs = sort_pairs(routing, self.args.num_experts)
+        # the layer's one host sync: the row counts (with expert parallel the sent and received ones, one copy)
+        splits = exchange_counts(pairs.counts, self.ep_group, self.ep_size) if self.ep_size > 1 else None
+        local = splits.local if splits is not None else pairs.counts.tolist()
+        pairs = pairs.head(sum(splits.send) if splits is not None else sum(local))  # the kept pairs
         rows = flat.index_select(0, pairs.token)
-        if self.ep_size > 1:
-            expert_out = run_expert_parallel(rows, pairs.counts, self.experts, self.ep_group, self.ep_size)
+        if splits is not None:
+            expert_out = run_expert_parallel(rows, splits, self.experts, self.ep_group, self.ep_size)
         else:
-            expert_out = self.experts(rows, pairs.counts.tolist())
+            expert_out = self.experts(rows, local)
         out = combine(expert_out, pairs, flat.shape[0])
         if self.shared_experts is not None:
             out = self._mix_shared(flat, out)

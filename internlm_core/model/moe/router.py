@@ -85,6 +85,14 @@ class Router(nn.Module):
             return F.linear(x.float(), local_tensor(self.weight).float())
 
 
+def expert_counts(ids: torch.Tensor, num_experts: int, weight: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """int64 [num_experts]: how often each expert id occurs in `ids` (where `weight`, bool like ids, is True);
+    torch.bincount's counts without its host sync (on CUDA it reads the largest id to size its output)."""
+    ones = torch.ones_like(ids) if weight is None else weight.to(ids.dtype)
+    return torch.zeros(num_experts, dtype=torch.int64, device=ids.device).scatter_add_(0, ids.reshape(-1),
+                                                                                        ones.reshape(-1))
+
+
 def gumbel_like(t: torch.Tensor) -> torch.Tensor:
     """Gumbel(0, 1) samples shaped like t, from the device's default generator: -log(Exp(1))."""
     return torch.empty_like(t).exponential_().log_().neg_()
@@ -119,7 +127,7 @@ def capacity_keep(experts: torch.Tensor, num_experts: int, capacity: int, random
             priority = (torch.arange(k, device=flat.device)[:, None] * S + perm[None, :]).reshape(-1)
         by_priority = flat[priority]
         order = torch.argsort(by_priority, stable=True)  # grouped by expert, priority order inside each group
-        counts = torch.bincount(flat, minlength=num_experts)
+        counts = expert_counts(flat, num_experts)
         starts = torch.cumsum(counts, 0) - counts
         rank = torch.arange(S * k, device=flat.device) - starts[by_priority[order]]
         position = torch.empty_like(rank)
@@ -132,7 +140,7 @@ def load_balancing_loss(probs: torch.Tensor, experts: torch.Tensor, tokens_per_e
     """l_aux = E * sum_e P_e f_e (see the module docstring for f_e in the two modes)."""
     S, E = probs.shape
     if capacity_bounded:
-        f = torch.bincount(experts[:, 0], minlength=E).to(probs.dtype) / S
+        f = expert_counts(experts[:, 0], E).to(probs.dtype) / S
     else:
         f = tokens_per_expert.to(probs.dtype) / (S * experts.shape[1])
     return E * torch.sum(probs.mean(dim=0) * f)
@@ -145,7 +153,7 @@ def route(logits: torch.Tensor, args: MoEArgs, training: bool, bias: Optional[to
     scores = torch.softmax(logits, dim=-1) if args.score_func == "softmax" else torch.sigmoid(logits)
     rsample = args.noisy_gate_policy == "RSample" and training
     experts = select_experts(scores, logits, bias, k, rsample)
-    tokens_per_expert = torch.bincount(experts.reshape(-1), minlength=E)
+    tokens_per_expert = expert_counts(experts, E)
     weights = scores.gather(1, experts)
     keep, capacity = None, None
     if args.capacity_bounded and args.drop_tokens:  # drop_tokens=False: unbounded (nothing is padded here)
