@@ -22,6 +22,7 @@ from typing import Callable, Optional
 import torch
 import torch.nn.functional as F
 
+from gpu_rows_varlen import row_varlen_contract
 from gpu_rows_numerics import (compare_attention, row_context_mixed_dtypes, row_moe_grouped_sync,
                                row_norm_autocast, row_torch_api_test)
 
@@ -389,4 +390,5 @@ ROWS = [
     Row("MoE micro-batch, grouped GEMM, sync debug", row_moe_grouped_sync, 20),
     Row("norm output dtype under CUDA autocast", row_norm_autocast, 30),
     Row("torch API scan test (pytest -q)", row_torch_api_test, 60),
+    Row("varlen kernel vs CPU contract", row_varlen_contract, 30),
 ]

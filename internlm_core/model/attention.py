@@ -1,6 +1,7 @@
 """Attention over packed rows, by the kernel `numerics.select_kernels` chose (`ModelArgs.attn_backend`):
 
     flash        flash-attn 2's varlen kernel takes `cu_seqlens` directly (16-bit q/k/v; others are cast to bf16)
+    torch_varlen torch's varlen_attn (the FA2 kernels inside torch) with the same `cu_seqlens` and window
     sdpa         torch's scaled_dot_product_attention, with a dense [B, 1, T, T] document mask for packed rows
     cpu_blocked  plain matmuls in blocks of query rows (`blocked_causal_attention`): scores above the diagonal
                  blocks are never computed, packed documents add a precomputed per-block mask; 16-bit inputs run
@@ -27,6 +28,10 @@ import torch.nn.functional as F
 from ..utils.transfer import to_device
 from .context import ContextGroup, ContextMeta, build_context_meta, context_attention, one_dtype
 
+
+
+# the kernels that take cu_seqlens (no mask is built for them)
+VARLEN_BACKENDS = ("flash", "torch_varlen")
 
 
 def default_attention_backend(device_type: str) -> str:
@@ -131,7 +136,7 @@ def build_packed_meta(cu_seqlens: Optional[torch.Tensor], batch: int, seqlen: in
             raise ValueError(f"document_ids must have shape [{batch}, {seqlen}] (B, T), got {list(document_ids.shape)}")
         ids = document_ids.cpu()
         cu = cu_seqlens_from_document_ids(ids)
-        if backend == "flash":
+        if backend in VARLEN_BACKENDS:
             return PackedMeta(to_device(cu, device), int((cu[1:] - cu[:-1]).max()), None, window=window)
         if len(cu) - 1 == batch and window is None:  # one document per row: the fused causal kernel, no mask
             return PackedMeta(None, seqlen, None)
@@ -150,7 +155,7 @@ def build_packed_meta(cu_seqlens: Optional[torch.Tensor], batch: int, seqlen: in
         raise ValueError(f"cu_seqlens must contain every multiple of the row length {seqlen}")
     lengths = cu[1:] - cu[:-1]
     max_seqlen = int(lengths.max().item())
-    if backend == "flash":
+    if backend in VARLEN_BACKENDS:
         return PackedMeta(to_device(cu.to(torch.int32), device), max_seqlen, None, window=window)
     if len(cu) - 1 == batch and window is None:  # one document per row: the fused causal kernel, no mask
         return PackedMeta(None, max_seqlen, None)
@@ -226,6 +231,24 @@ def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: Pac
     return out.view(B, T, H, D).to(dtype)
 
 
+def torch_varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: PackedMeta) -> torch.Tensor:
+    """torch's varlen_attn (FA2 inside torch, torch >= 2.11) on [B, T, H, D] inputs, over `meta.cu_seqlens`; rows
+    that are one document each take SDPA's causal kernel (no mask). 16-bit kernels: fp32 inputs go as bf16."""
+    if meta.cu_seqlens is None:
+        return sdpa_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), None).transpose(1, 2)
+    from torch.nn.attention.varlen import varlen_attn
+    from ..utils.torch_compat import varlen_attn_gqa
+    B, T, H, D = q.shape
+    dtype = q.dtype
+    if dtype not in (torch.float16, torch.bfloat16):
+        q, k, v = q.to(torch.bfloat16), k.to(torch.bfloat16), v.to(torch.bfloat16)
+    window = (meta.window - 1, 0) if meta.window is not None else (-1, 0)  # (-1, 0): causal
+    out = varlen_attn(q.reshape(B * T, H, D), k.reshape(B * T, -1, D), v.reshape(B * T, -1, D), meta.cu_seqlens,
+                      meta.cu_seqlens, meta.max_seqlen, meta.max_seqlen, window_size=window,
+                      **(varlen_attn_gqa() if k.shape[2] != H else {}))
+    return out.view(B, T, H, D).to(dtype)
+
+
 def sdpa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Optional[torch.Tensor],
                    repeat_kv: Optional[bool] = None) -> torch.Tensor:
     """torch's SDPA on [N, H, T, D] / [N, Hkv, T, D], causal or under a document mask.
@@ -246,14 +269,17 @@ def sdpa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Opti
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: PackedMeta, backend: str) -> torch.Tensor:
     """q [B, T, H, D], k/v [B, T, Hkv, D] -> [B, T, H, D]; causal within each document; `backend` as chosen by
-    numerics.select_kernels ("flash", "sdpa", "cpu_blocked"). Under context parallel (meta.context) T is the
-    rank's chunk and every backend runs model/context's blockwise kernels. q, k, v go in one dtype
+    numerics.select_kernels ("flash", "torch_varlen", "sdpa", "cpu_blocked"). Under context parallel
+    (meta.context) T is the rank's chunk: flash and torch_varlen run torch's FA2 varlen kernels, the others
+    model/context's blockwise core (context_attention). q, k, v go in one dtype
     (`context.one_dtype`: autocast's, else v's), whatever dtype a norm or rotary handed q and k on in."""
     q, k, v = one_dtype(q, k, v)
     if meta.context is not None:
         return context_attention(q, k, v, meta.context, backend)
     if backend == "flash":
         return flash_attention(q, k, v, meta)
+    if backend == "torch_varlen":
+        return torch_varlen_attention(q, k, v, meta)
     q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
     if backend == "cpu_blocked" and meta.mask is None:
         out = blocked_causal_attention(q, k, v, masks=meta.block_masks)
@@ -262,5 +288,5 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: PackedMet
     elif backend == "sdpa":
         out = sdpa_attention(q, k, v, meta.mask)
     else:
-        raise ValueError(f"attention backend: expected flash, sdpa or cpu_blocked, got {backend!r}")
+        raise ValueError(f"attention backend: expected flash, torch_varlen, sdpa or cpu_blocked, got {backend!r}")
     return out.transpose(1, 2)

@@ -7,8 +7,13 @@ reduction, decided in one place from the config, the precision, the device and t
 The model, the loss and the optimizer receive these names and probe nothing themselves.
 
 attention       flash         flash-attn 2 (varlen over packed documents); CUDA, 16-bit q/k/v
-                sdpa          torch's scaled_dot_product_attention (dense document mask when packed)
+                torch_varlen  torch's varlen_attn (FA2 kernels inside torch, torch >= 2.11: the same cu_seqlens,
+                              windows); CUDA, 16-bit q/k/v: where flash-attn is not installed
+                sdpa          torch's scaled_dot_product_attention (dense document mask when packed): the last
+                              resort on CUDA, and the kernels line says so
                 cpu_blocked   causal attention as blocked matmuls with per-block document masks (the CPU path)
+                Under context parallel flash and torch_varlen run every mode on torch's FA2 varlen kernels with
+                log-sum-exp (model/context/varlen.py), sdpa and cpu_blocked on the blockwise core.
 cross_entropy   flash         flash-attn's Triton kernel (in-place backward); CUDA
                 fused_chunked one pass over row chunks: loss, argmax and the logits' gradient (any device)
                 fused_chunked_compiled  the same, chunks under torch.compile (model.compile)
@@ -38,7 +43,7 @@ from .precision import Precision
 
 logger = get_logger(__name__)
 
-ATTENTION = ("flash", "sdpa", "cpu_blocked")
+ATTENTION = ("flash", "torch_varlen", "sdpa", "cpu_blocked")
 CROSS_ENTROPY = ("flash", "fused_chunked", "fused_chunked_compiled", "torch", "vocab_parallel")
 LINEAR = ("onednn", "torch", "fp32_gemm")
 OPTIMIZER = ("apex", "fused", "foreach")
@@ -75,6 +80,7 @@ class Probes:
     apex: Probe = accelerators.NOT_INSTALLED
     onednn: bool = False
     native_half_gemm: tuple[torch.dtype, ...] = ()  # 16-bit dtypes this CPU multiplies natively (AVX-512/AMX)
+    torch_varlen: Probe = accelerators.NOT_INSTALLED  # torch's varlen_attn and its FA2 kernels (CUDA)
 
 
 def native_half_gemm() -> tuple[torch.dtype, ...]:
@@ -88,6 +94,7 @@ def probe_all(device_type: str) -> Probes:
     cuda = device_type == "cuda"
     return Probes(
         flash_attn=accelerators.probe_flash_attn(device_type) if cuda else accelerators.NOT_INSTALLED,
+        torch_varlen=accelerators.probe_torch_varlen(device_type) if cuda else accelerators.NOT_INSTALLED,
         flash_cross_entropy=accelerators.probe_flash_cross_entropy(device_type) if cuda else accelerators.NOT_INSTALLED,
         apex=accelerators.probe_apex(device_type) if cuda else accelerators.NOT_INSTALLED,
         onednn=device_type == "cpu" and cpu_features.current().onednn_linear,
@@ -102,37 +109,61 @@ def _fall_back(fallbacks: Fallbacks, package: str, probe: Probe, what: str) -> N
     fallbacks.setdefault(package, (probe.why_not(), []))[1].append(what)
 
 
+def _requested_attention(requested: str, precision: Precision, device_type: str, probe: Probe, what: str,
+                         notes: list[str]) -> str:
+    """model.attn_backend 'flash' or 'torch_varlen', asked for by name: it runs, or a ConfigError in one line."""
+    if device_type != "cuda":
+        raise ConfigError(f"model.attn_backend: {requested!r} requested but the device is {device_type}, not cuda; "
+                          f"use 'auto' or 'sdpa'")
+    if not probe.ok:
+        raise ConfigError(f"model.attn_backend: {requested!r} requested but {what} {probe.why_not()}; "
+                          f"use 'auto' or 'sdpa'")
+    if not precision.half:
+        notes.append(f"{what} under {precision.name}: q/k/v cast to bf16 for the kernel")
+    return requested
+
+
+SDPA_LAST_RESORT = "attention on SDPA: packed rows take a dense [B, 1, T, T] document mask (the last resort)"
+
+
 def select_attention(requested: str, use_flash_attn: bool, precision: Precision, device_type: str,
-                     flash: Probe, notes: list[str], fallbacks: Fallbacks) -> str:
-    """model.attn_backend (auto, flash, sdpa, cpu_blocked) -> the attention kernel."""
+                     flash: Probe, notes: list[str], fallbacks: Fallbacks,
+                     torch_varlen: Probe = accelerators.NOT_INSTALLED) -> str:
+    """model.attn_backend (auto, flash, torch_varlen, sdpa, cpu_blocked) -> the attention kernel. auto on CUDA:
+    flash-attn's varlen kernel, else torch's varlen kernel, else SDPA (said in the notes); on CPU cpu_blocked."""
     if requested in ("sdpa", "cpu_blocked"):
         return requested
     if requested == "flash":
-        if device_type != "cuda":
-            raise ConfigError(f"model.attn_backend: 'flash' requested but the device is {device_type}, not cuda; "
-                              f"use 'auto' or 'sdpa'")
-        if not flash.ok:
-            raise ConfigError(f"model.attn_backend: 'flash' requested but flash-attn {flash.why_not()}; "
-                              f"use 'auto' or 'sdpa'")
-        if not precision.half:
-            notes.append(f"flash-attn under {precision.name}: q/k/v cast to bf16 for the kernel")
-        return "flash"
+        return _requested_attention(requested, precision, device_type, flash, "flash-attn", notes)
+    if requested == "torch_varlen":
+        return _requested_attention(requested, precision, device_type, torch_varlen,
+                                    "torch's varlen attention (torch.nn.attention.varlen)", notes)
     if requested != "auto":
-        raise ConfigError(f"model.attn_backend: expected auto, flash, sdpa or cpu_blocked, got {requested!r}")
+        raise ConfigError(f"model.attn_backend: expected auto, flash, torch_varlen, sdpa or cpu_blocked, "
+                          f"got {requested!r}")
     if device_type != "cuda":
         return "cpu_blocked" if device_type == "cpu" else "sdpa"
     if not use_flash_attn:
+        notes.append("model.use_flash_attn is False: " + SDPA_LAST_RESORT)
         return "sdpa"
+    varlen = torch_varlen.ok and precision.half
+    after = "torch's varlen kernel" if varlen else "SDPA"
     if flash.broken:
-        _fall_back(fallbacks, "flash-attn", flash, "attention falls back to SDPA")
-        return "sdpa"
-    if not flash.ok:
-        notes.append("flash-attn not installed: attention on SDPA")
-        return "sdpa"
+        _fall_back(fallbacks, "flash-attn", flash, f"attention falls back to {after}")
+    elif not flash.ok:
+        notes.append(f"flash-attn not installed: attention on {after}")
+    elif precision.half:
+        return "flash"
     if not precision.half:
-        notes.append(f"attention on SDPA: flash-attn takes 16-bit inputs and {precision.name} computes in fp32")
+        notes.append(f"attention on SDPA: flash-attn takes 16-bit inputs (torch's varlen kernel too) and "
+                     f"{precision.name} computes in fp32")
         return "sdpa"
-    return "flash"
+    if varlen:
+        return "torch_varlen"
+    if torch_varlen.broken:
+        _fall_back(fallbacks, "torch's varlen attention", torch_varlen, "attention falls back to SDPA")
+    notes.append(SDPA_LAST_RESORT)
+    return "sdpa"
 
 
 def select_cross_entropy(device_type: str, label_smoothing: float, vocab_parallel: bool, compiled: bool,
@@ -245,7 +276,7 @@ def select_kernels(model_cfg: Any, adam_cfg: Any, precision: Precision, device: 
     notes: list[str] = []
     fallbacks: Fallbacks = {}
     attention = select_attention(model_cfg.attn_backend, model_cfg.use_flash_attn, precision, device_type,
-                                 probes.flash_attn, notes, fallbacks)
+                                 probes.flash_attn, notes, fallbacks, probes.torch_varlen)
     cross_entropy = select_cross_entropy(device_type, label_smoothing, tp > 1 and model_cfg.parallel_output,
                                          model_cfg.compile, probes.flash_cross_entropy, notes, fallbacks)
     linear = select_linear(device_type, precision, probes.onednn, probes.native_half_gemm, notes)

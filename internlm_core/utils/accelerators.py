@@ -81,6 +81,34 @@ def probe_flash_cross_entropy(device_type: str) -> Probe:
 
 
 @functools.lru_cache(maxsize=None)
+def probe_torch_varlen(device_type: str) -> Probe:
+    """torch's own varlen attention: `torch.nn.attention.varlen.varlen_attn` (torch >= 2.11) over the FA2 kernels
+    built into torch (`aten._flash_attention_forward/backward`, which the context-parallel path calls with the
+    log-sum-exp). CUDA only; there one tiny bf16 forward and backward with GQA and a window (a build without them,
+    or a GPU older than sm80, fails here)."""
+    if importlib.util.find_spec("torch.nn.attention.varlen") is None:
+        return NOT_INSTALLED
+    if device_type != "cuda":
+        return Probe(installed=True, ok=False, detail=f"no varlen kernel on {device_type} (CUDA only)")
+    try:
+        from torch.nn.attention.varlen import varlen_attn
+        q = torch.randn(8, 4, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+        kv = torch.randn(8, 2, 64, device="cuda", dtype=torch.bfloat16)
+        cu = torch.tensor([0, 3, 8], device="cuda", dtype=torch.int32)
+        varlen_attn(q, q.detach(), q.detach(), cu, cu, 5, 5, window_size=(2, 0)).sum().backward()
+        out, lse = torch.ops.aten._flash_attention_forward(q.detach(), kv, kv, cu, cu, 5, 5, 0.0, False, False,
+                                                           window_size_left=1, window_size_right=-1)[:2]
+        torch.ops.aten._flash_attention_backward(out, q.detach(), kv, kv, out, lse, cu, cu, 5, 5, 0.0, False,
+                                                 torch.zeros(2, dtype=torch.uint64, device="cuda"),
+                                                 torch.empty(0, device="cuda"), window_size_left=1,
+                                                 window_size_right=-1)
+        torch.cuda.synchronize()
+    except Exception as e:  # RuntimeError: no flash kernel in this build / for this GPU
+        return Probe(installed=True, ok=False, detail=_error(e))
+    return WORKING
+
+
+@functools.lru_cache(maxsize=None)
 def probe_apex(device_type: str) -> Probe:
     """NVIDIA apex's FusedAdam with its CUDA extension (the PyPI package named apex is an unrelated web
     toolkit): import, check the multi-tensor extension, and on CUDA one step on a 1-element parameter."""
@@ -117,5 +145,5 @@ def bind_thread_device(device: torch.device) -> bool:
 
 def clear_probe_cache() -> None:
     """Forget every probe result (tests that install or break a fake package)."""
-    for fn in (probe_flash_attn, probe_flash_cross_entropy, probe_apex):
+    for fn in (probe_flash_attn, probe_flash_cross_entropy, probe_apex, probe_torch_varlen):
         fn.cache_clear()

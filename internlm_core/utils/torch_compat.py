@@ -13,6 +13,9 @@ which says nothing about a nightly or a vendor build), and says which versions a
 
 from __future__ import annotations
 
+import functools
+import inspect
+
 
 def pipeline_warmup_vote() -> bool:
     """Whether this torch's pipeline schedules hold their warm-up vote over point-to-point sends, which a stage
@@ -22,3 +25,12 @@ def pipeline_warmup_vote() -> bool:
     (parallel/pipeline.py's `_StaticStage`); elsewhere there is nothing to answer."""
     from torch.distributed.pipelining import PipelineStage
     return hasattr(PipelineStage, "_warmup_backward_result")
+
+
+@functools.lru_cache(maxsize=None)
+def varlen_attn_gqa() -> dict:
+    """Keyword arguments for grouped-query attention (fewer k/v heads) through
+    `torch.nn.attention.varlen.varlen_attn`: torch 2.13 on asks for `enable_gqa=True` and refuses fewer k/v heads
+    without it; 2.11 has no such argument and hands the heads to the FA2 kernel as they are, which groups them."""
+    from torch.nn.attention.varlen import varlen_attn
+    return {"enable_gqa": True} if "enable_gqa" in inspect.signature(varlen_attn).parameters else {}

@@ -80,6 +80,13 @@ NEW_ROWS = ["context attention, fp32 q/k + bf16 v", "MoE micro-batch, grouped GE
             "norm output dtype under CUDA autocast", "torch API scan test (pytest -q)"]
 
 
+def test_the_varlen_row_is_promised_runs_on_cuda_only_and_is_listed_last():
+    """Issue 34: torch's FA2 varlen kernels against their CPU contract (bench/gpu_rows_varlen.py)."""
+    (row,) = [r for r in gpu_rows.ROWS if r.name == "varlen kernel vs CPU contract"]
+    assert row.name in PROMISED and row.cuda and row.budget_s <= 30
+    assert gpu_paths.why_not_run(row, dry_run=False, cuda=False, left=600.0) == ("unproven", "no CUDA device: not run")
+
+
 def test_the_new_rows_are_promised_and_listed_by_the_dry_run():
     """Listed by --dry-run: test_dry_run_lists_every_row_and_exits_unproven checks every row of ROWS is."""
     assert all(name in PROMISED for name in NEW_ROWS)

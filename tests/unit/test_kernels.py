@@ -331,3 +331,79 @@ def test_expert_gemm_reaches_the_moe_layers():
     model = build_model(inputs, "meta")
     assert {layer.feed_forward.experts.gemm for layer in model.layers.values()} == {"grouped"}
     assert {layer.feed_forward.experts.gemm for layer in build_model(cfg, "meta").layers.values()} == {"loop"}
+
+
+BF16, FP32 = "torch.bfloat16", "torch.float32"
+VARLEN_BROKEN = Probe(installed=True, ok=False, detail="RuntimeError: FlashAttention only supports Ampere GPUs or newer")
+
+
+@pytest.mark.parametrize("flash,varlen,dtype,overrides,expected,n_warnings,note", [
+    (WORKING, WORKING, BF16, {}, "flash", 0, None),
+    (NOT_INSTALLED, WORKING, BF16, {}, "torch_varlen", 0, "flash-attn not installed: attention on torch's varlen kernel"),
+    (BROKEN, WORKING, BF16, {}, "torch_varlen", 1, None),
+    (NOT_INSTALLED, NOT_INSTALLED, BF16, {}, "sdpa", 0, "attention on SDPA: packed rows take a dense [B, 1, T, T] "
+                                                        "document mask (the last resort)"),
+    (NOT_INSTALLED, VARLEN_BROKEN, BF16, {}, "sdpa", 1, "(the last resort)"),
+    (WORKING, WORKING, FP32, {}, "sdpa", 0, "flash-attn takes 16-bit inputs (torch's varlen kernel too)"),
+    (NOT_INSTALLED, WORKING, FP32, {"attn_backend": "torch_varlen"}, "torch_varlen", 0, "q/k/v cast to bf16"),
+    (WORKING, WORKING, BF16, {"attn_backend": "torch_varlen"}, "torch_varlen", 0, None),
+    (WORKING, WORKING, BF16, {"use_flash_attn": False}, "sdpa", 0, "use_flash_attn is False"),
+])
+def test_attention_on_cuda_flash_attn_else_torch_varlen_else_sdpa(flash, varlen, dtype, overrides, expected,
+                                                                  n_warnings, note, caplog):
+    """The probes monkeypatched: CUDA with and without flash-attn, torch's varlen kernel present, absent, broken."""
+    model, adam, _ = configs(overrides)
+    probes = {"probe_flash_attn": flash, "probe_torch_varlen": varlen, "probe_flash_cross_entropy": NOT_INSTALLED,
+              "probe_apex": NOT_INSTALLED}
+    with pytest.MonkeyPatch.context() as mp:
+        for name, probe in probes.items():
+            mp.setattr(accelerators, name, lambda device_type, probe=probe: probe)
+        with caplog.at_level(logging.WARNING, logger="internlm_core"):
+            k = select_kernels(model, adam, resolve_precision(dtype, "cuda"), "cuda")
+    assert k.attention == expected
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == n_warnings, warnings
+    if note is not None:
+        assert note in k.describe()
+    if flash is BROKEN and expected == "torch_varlen":
+        assert warnings == ["flash-attn is installed but does not work (ImportError: flash_attn_2_cuda.so: undefined "
+                            "symbol: _ZN3c10): attention falls back to torch's varlen kernel"]
+
+
+def test_cpu_keeps_the_blocked_kernel_and_never_probes_torch_varlen(monkeypatch):
+    def fail(device_type):
+        raise AssertionError("probed on a CPU run")
+    monkeypatch.setattr(accelerators, "probe_torch_varlen", fail)
+    model, adam, _ = configs({})
+    k = select_kernels(model, adam, resolve_precision(BF16, "cpu"), "cpu", log=False)
+    assert k.attention == "cpu_blocked"
+
+
+@pytest.mark.parametrize("device,varlen,message", [
+    ("cpu", WORKING, "model.attn_backend: 'torch_varlen' requested but the device is cpu, not cuda; use 'auto' or "
+                     "'sdpa'"),
+    ("cuda", NOT_INSTALLED, "model.attn_backend: 'torch_varlen' requested but torch's varlen attention "
+                            "(torch.nn.attention.varlen) is not installed; use 'auto' or 'sdpa'"),
+    ("cuda", VARLEN_BROKEN, "model.attn_backend: 'torch_varlen' requested but torch's varlen attention "
+                            "(torch.nn.attention.varlen) is installed but does not work (RuntimeError: "
+                            "FlashAttention only supports Ampere GPUs or newer); use 'auto' or 'sdpa'"),
+])
+def test_torch_varlen_asked_for_and_unavailable_is_refused_in_one_line(device, varlen, message):
+    model, adam, _ = configs({"attn_backend": "torch_varlen"})
+    with pytest.raises(ConfigError) as e:
+        select_kernels(model, adam, resolve_precision(BF16, device), device, probes=Probes(torch_varlen=varlen),
+                       log=False)
+    assert str(e.value) == message and "\n" not in message
+
+
+def test_the_torch_varlen_probe_without_the_module_and_on_cpu(monkeypatch):
+    import importlib.util
+    accelerators.probe_torch_varlen.cache_clear()
+    assert accelerators.probe_torch_varlen("cpu").why_not() == ("is installed but does not work (no varlen kernel on "
+                                                                "cpu (CUDA only))")
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name == "torch.nn.attention.varlen" else real(name, *a))
+    accelerators.probe_torch_varlen.cache_clear()
+    assert accelerators.probe_torch_varlen("cuda") == NOT_INSTALLED
+    accelerators.probe_torch_varlen.cache_clear()

@@ -8,7 +8,10 @@ One file per job: layout.py (who holds which tokens, the per-forward ContextMeta
 with log-sum-exp and its hand-written backward), ring.py (k/v around the ring), ulysses.py (the all-to-all mode),
 two_d.py (all-to-all inside, ring across), counters.py (bytes sent, counted and predicted).
 
-Every backend runs the blockwise core (plain torch ops, CPU and CUDA); flash-attn's kernels are not wired here.
+The attention kernel follows the run's (numerics.select_kernels): "flash" and "torch_varlen" run every mode on
+torch's FA2 varlen kernels with log-sum-exp (varlen.py: one causal call after the all-to-all; one or two calls per
+ring step, merged by log-sum-exp); "sdpa" and "cpu_blocked" run the blockwise core (plain torch ops, the CPU path
+and the reference); "varlen_contract" runs the varlen plumbing on the kernels' CPU contract (tests, gpu_check).
 """
 
 from __future__ import annotations
@@ -25,6 +28,9 @@ from .layout import (MODES, ContextGroup, ContextMeta, build_context_meta, local
 from .two_d import two_d_attention
 from .ulysses import ulysses_attention
 
+# attention backend -> the varlen kernel its context-parallel path runs on (others: the blockwise core)
+VARLEN_KERNEL = {"flash": "aten_flash", "torch_varlen": "aten_flash", "varlen_contract": "contract"}
+
 __all__ = ["BLOCK", "MODES", "ContextGroup", "ContextMeta", "a2a_kv_heads", "blockwise_attention",
            "build_context_meta", "context_attention", "local_positions", "make_inner_group", "one_dtype", "plan_blocks",
            "pop_context_bytes", "predicted_context_bytes", "set_context_parallel", "zigzag_indices"]
@@ -34,12 +40,13 @@ __all__ = ["BLOCK", "MODES", "ContextGroup", "ContextMeta", "a2a_kv_heads", "blo
 def context_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: ContextMeta,
                       backend: Optional[str] = None) -> torch.Tensor:
     """q [B, T/C, H, D], k/v [B, T/C, Hkv, D] (this rank's zigzag chunk, its local heads) -> [B, T/C, H, D],
-    attention over the whole rows. `backend` is not used: every backend runs the blockwise core. q, k, v are
-    computed in one dtype (`one_dtype`: autocast's, else v's)."""
+    attention over the whole rows, on the kernel of `backend` (module docstring; None: the blockwise core). q, k,
+    v are computed in one dtype (`one_dtype`: autocast's, else v's)."""
     q, k, v = one_dtype(q, k, v)
+    kernel = VARLEN_KERNEL.get(backend or "")
     if meta.context.mode == "all_to_all" or meta.ring is None:
-        return ulysses_attention(q, k, v, meta)
-    return two_d_attention(q, k, v, meta)  # ring: an all-to-all of size 1
+        return ulysses_attention(q, k, v, meta, kernel)
+    return two_d_attention(q, k, v, meta, kernel)  # ring: an all-to-all of size 1
 
 
 def set_context_parallel(model: nn.Module, context: ContextGroup) -> None:

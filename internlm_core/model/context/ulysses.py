@@ -23,6 +23,7 @@ from ...utils import collectives
 from .blockwise import BlockwiseAttention, from_groups, to_groups
 from .counters import count_bytes
 from .layout import ContextMeta
+from .varlen import varlen_context_attention
 
 
 def _exchange(x: torch.Tensor, group: Optional[dist.ProcessGroup], tag: str) -> torch.Tensor:
@@ -95,10 +96,14 @@ def heads_for_all_to_all(k: torch.Tensor, v: torch.Tensor, heads: int, size: int
     return k.repeat_interleave(rep, dim=2), v.repeat_interleave(rep, dim=2)
 
 
-def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: ContextMeta) -> torch.Tensor:
-    """The all_to_all mode: q [B, T/C, H, D], k/v [B, T/C, Hkv, D] -> [B, T/C, H, D]."""
+def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: ContextMeta,
+                      kernel: Optional[str] = None) -> torch.Tensor:
+    """The all_to_all mode: q [B, T/C, H, D], k/v [B, T/C, Hkv, D] -> [B, T/C, H, D]. kernel: a varlen kernel
+    (varlen.KERNELS: one causal call over the whole rows), None: the blockwise core."""
     a, group, tag = meta.a2a_size, meta.a2a_group, meta.context.mode
     k, v = heads_for_all_to_all(k, v, q.shape[2], a)
     qh, kh, vh = (seq_to_heads(x, a, group, tag) for x in (q, k, v))
+    if kernel is not None:
+        return heads_to_seq(varlen_context_attention(qh, kh, vh, meta, kernel), a, group, tag)
     out = BlockwiseAttention.apply(*to_groups(qh, kh, vh), meta.query, meta.sources[0], meta.plans[0])
     return heads_to_seq(from_groups(out), a, group, tag)
