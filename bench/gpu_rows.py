@@ -25,6 +25,7 @@ import torch.nn.functional as F
 from gpu_rows_varlen import row_varlen_contract
 from gpu_rows_numerics import (compare_attention, row_context_mixed_dtypes, row_moe_grouped_sync,
                                row_norm_autocast, row_torch_api_test)
+from gpu_rows_speed import row_speed_compiled, row_speed_eager
 
 ROOT = Path(__file__).resolve().parents[1]
 SUPPORTED_TORCH = ((2, 11), (2, 15))  # requirements.txt and README state the same range
@@ -383,6 +384,8 @@ ROWS = [
     Row("trainer fp32, micro_num 2, sync debug", row_train_fp32, 45),
     Row("async save + resume on CUDA", row_async_resume, 60),
     Row("peak memory vs estimate (1.1B, 1 GPU)", row_memory, 90),
+    Row("speed 1.1B eager: measured vs predicted", row_speed_eager, 60),
+    Row("speed 1.1B compiled: measured vs predicted", row_speed_compiled, 150),
     Row("simulate 7B rank 0 of 8 on the GPU", row_simulate_7b, 170),
     Row("kernel choice, sdpa vs blocked attention", row_kernels, 20),
     Row("loss kernels bf16/fp16 vs fp32", row_loss_kernels, 30),

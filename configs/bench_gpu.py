@@ -1,7 +1,9 @@
 # A ~1.1B Llama-style model (TinyLlama's shape) for one GPU: bf16, flash-attn's varlen kernel when importable
 # (model.attn_backend="auto"; SDPA with document masks otherwise), torch fused AdamW (apex when installed).
 # The GPU check (tools/gpu_check.sh, bench/gpu_rows.py) trains it 3 steps for its peak-memory row (the CUDA
-# allocator's peak beside estimate(device="cuda")) and reads its kernel choice; it measures no throughput.
+# allocator's peak beside estimate(device="cuda")), reads its kernel choice, and trains it 30 steps eager and under
+# model.compile for its speed rows (bench/gpu_rows_speed.py: tokens/s and MFU beside the estimator's prediction,
+# `tools/estimate.py --config configs/bench_gpu.py --gpu h200`).
 # Throughput: 30 steps, tokens/s per GPU (tgs) and MFU on the console line and in metrics.jsonl:
 #   python train.py --config configs/bench_gpu.py [--set model.compile=True]
 JOB_NAME = "bench_gpu"

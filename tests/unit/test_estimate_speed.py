@@ -133,3 +133,23 @@ def test_cli_prints_prediction_and_json():
     p = run_script("tools/estimate.py", ["--config", "configs/bench_gpu.py", "--gpu", "v100"], timeout=120)
     assert p.returncode == 2
     assert p.stderr.strip() == "error: --gpu v100: unknown GPU; expected one of h100, h200, a100"
+
+
+def test_gpu_check_speed_rows_read_the_trainer_metrics(tmp_path):
+    """bench/gpu_rows_speed.py's parts a CPU can run: the GPU name to the table's key, the median of the logged
+    steps after warm-up (the row itself trains on a GPU)."""
+    import sys
+
+    from tests.helpers.launch import ROOT
+    sys.path.insert(0, str(ROOT / "bench"))
+    import gpu_rows_speed
+
+    assert [gpu_rows_speed._gpu_key(n) for n in ("NVIDIA H200", "NVIDIA H100 80GB HBM3", "NVIDIA A100-SXM4-80GB",
+                                                 "NVIDIA H100 PCIe", "NVIDIA L40S")] == ["h200", "h100", "a100", "", ""]
+    rows = [{"kind": "train", "step": s, "tgs": 1000.0 * s, "mfu": 0.01 * s} for s in range(1, 16)]
+    rows.insert(3, {"kind": "valid", "step": 12, "tgs": 1.0})
+    (tmp_path / "metrics.jsonl").write_text("\n".join(json.dumps(r) for r in rows))
+    assert gpu_rows_speed.measured(tmp_path) == (13000.0, pytest.approx(0.13))   # steps 11-15
+    (tmp_path / "metrics.jsonl").write_text(json.dumps(rows[0]))
+    with pytest.raises(RuntimeError, match="no train step after step 10 logged tgs"):
+        gpu_rows_speed.measured(tmp_path)
