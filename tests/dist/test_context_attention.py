@@ -71,10 +71,11 @@ def reference(q, k, v, dout, doc, window=None):
 
 
 def check_attention(ctx, layout: str, hkv: int, tag: str, device=None, checkpointed: bool = False,
-                    window=None) -> None:
+                    window=None, backend=None) -> None:
     """device: the device audit's (tests/helpers/device_audit.py): every tensor a collective gets must be on it;
     forward only there (autograd's saved tensors come back unmarked, which the backward's shifts would refuse; they
-    send buffers made like the forward's)."""
+    send buffers made like the forward's). backend: context_attention's ("varlen_contract": the varlen plumbing on
+    the GPU kernels' CPU contract; None: the blockwise core)."""
     import torch
     from internlm_core.model.context import (build_context_meta, context_attention, pop_context_bytes,
                                              predicted_context_bytes, zigzag_indices)
@@ -93,9 +94,9 @@ def check_attention(ctx, layout: str, hkv: int, tag: str, device=None, checkpoin
     meta = build_context_meta(ctx, ids, B, T // C, device, window)
     if checkpointed:  # activation checkpointing: the backward runs the forward's exchanges again first
         from torch.utils.checkpoint import checkpoint
-        out = checkpoint(context_attention, ql, kl, vl, meta, use_reentrant=False)
+        out = checkpoint(context_attention, ql, kl, vl, meta, backend, use_reentrant=False)
     else:
-        out = context_attention(ql, kl, vl, meta)
+        out = context_attention(ql, kl, vl, meta, backend)
     if device.type != "cpu":
         torch.testing.assert_close(out.cpu(), want[0][:, zig], **TOL, msg=lambda m: f"{tag} {layout}: {m}")
         return
@@ -171,6 +172,9 @@ def main(nproc: int) -> None:
         for layout, hkv in (("short", 2), ("long", 2), ("short", 1), ("short", 4)):
             check_attention(ctx, layout, hkv, tag)
         check_attention(ctx, "long", 2, tag + " window 11", window=11)  # a sliding window (Mistral)
+        for layout, hkv, window in (("short", 2, None), ("long", 1, None), ("short", 4, 5), ("long", 2, 11)):
+            check_attention(ctx, layout, hkv, f"{tag} varlen window {window}", window=window,
+                            backend="varlen_contract")  # the varlen plumbing: ring shifts, a2a, LSE merge
     if nproc == 2:
         check_model(contexts[0])
         for ctx in contexts:  # a sliding window (Mistral) shorter than the documents, through the model

@@ -172,3 +172,39 @@ def test_the_transformer_on_the_contract_path_is_the_plain_model(window):
     for (name, p), (_, w) in zip(cp.named_parameters(), plain.named_parameters()):
         torch.testing.assert_close(p.grad, w.grad, atol=1e-5 * float(w.grad.abs().max()), rtol=1e-5,
                                    msg=lambda m: f"{name}: {m}")
+
+
+@pytest.mark.parametrize("hkv,window", [(4, None), (2, 7), (1, None)])
+def test_packed_rows_reach_varlen_attn_with_cu_seqlens_window_and_gqa(monkeypatch, hkv, window):
+    """attn_backend torch_varlen without context parallel: torch's varlen_attn (CUDA only) stood in for by the
+    contract; what it gets (the flash path's cu_seqlens, bf16, window (w - 1, 0), GQA asked for) and the result
+    against the CPU path."""
+    import torch.nn.attention.varlen as tv
+
+    from internlm_core.model.attention import attention, build_packed_meta
+    from internlm_core.utils import torch_compat
+    seen = []
+
+    def varlen_attn(q, k, v, cu_q, cu_k, max_q, max_k, *, window_size=(-1, -1), enable_gqa=False, **kw):
+        seen.append((q.dtype, cu_q.dtype, tuple(window_size), enable_gqa, max_q))
+        return contract_forward(q, k, v, cu_q, cu_k, max_q, max_k, None, False, window_size)[0]
+
+    monkeypatch.setattr(tv, "varlen_attn", varlen_attn)
+    torch_compat.varlen_attn_gqa.cache_clear()
+    try:
+        B, T, H, D = 2, 48, 4, 8
+        doc = _documents(B, T, seed=4, longest=20)
+        g = torch.Generator().manual_seed(0)
+        q = torch.randn(B, T, H, D, generator=g)
+        k, v = torch.randn(B, T, hkv, D, generator=g), torch.randn(B, T, hkv, D, generator=g)
+        meta = build_packed_meta(None, B, T, "torch_varlen", torch.device("cpu"), document_ids=doc, window=window)
+        assert meta.mask is None and meta.block_masks is None and meta.cu_seqlens.dtype == torch.int32
+        got = attention(q, k, v, meta, "torch_varlen")
+        ref_meta = build_packed_meta(None, B, T, "cpu_blocked", torch.device("cpu"), document_ids=doc, window=window)
+        want = attention(q, k, v, ref_meta, "cpu_blocked")
+    finally:
+        torch_compat.varlen_attn_gqa.cache_clear()
+    assert got.dtype == torch.float32
+    torch.testing.assert_close(got, want, atol=3e-2, rtol=0)  # the kernel computes in bf16
+    longest = int((meta.cu_seqlens[1:] - meta.cu_seqlens[:-1]).max())
+    assert seen == [(torch.bfloat16, torch.int32, (window - 1, 0) if window else (-1, 0), hkv != H, longest)]

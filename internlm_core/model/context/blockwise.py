@@ -17,8 +17,9 @@ by hand from q, k, v, out, lse, dout (flash attention's):
 
 and keeps nothing of size T * T for it (q, k, v, the output and lse only). Grouped-query attention uses the
 [B, Hkv, G, T, D] view of the queries (G = H / Hkv) against [B, Hkv, T, D] keys: k/v are never repeated.
-Plain torch ops: fp32 and bf16 inputs, on CPU and CUDA. flash-attn's varlen forward/backward with return_lse could
-replace `attend_forward` / `attend_backward` on GPUs; that is not wired.
+Plain torch ops: fp32 and bf16 inputs, on CPU and CUDA: the reference, and the CPU path. On GPUs with the flash or
+torch_varlen kernels the modes run on torch's FA2 varlen kernels instead (varlen.py, which also writes those
+kernels' contract as one CPU implementation on this core).
 """
 
 from __future__ import annotations
