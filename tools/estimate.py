@@ -48,7 +48,10 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="predict step time, tokens/s per GPU and MFU on this GPU (h100, h200, a100: "
                         "internlm_core/estimate/gpus.py), with the terms that bound it")
     p.add_argument("--no-flash-attn", action="store_true",
-                   help="flash-attn not installed: attention on numerics' next choice (default: installed)")
+                   help="flash-attn not installed: attention on numerics' next choice, torch's varlen kernel "
+                        "(default: installed)")
+    p.add_argument("--no-torch-varlen", action="store_true",
+                   help="with --no-flash-attn: torch's varlen kernel not there either: SDPA with document masks")
     p.add_argument("--expert-gemm", choices=["grouped", "loop"], default=None,
                    help="MoE expert GEMMs for --gpu (default: grouped on Hopper, loop on A100)")
     p.add_argument("--attention", choices=["flash", "torch_varlen", "sdpa", "cpu_blocked"], default=None,
@@ -117,7 +120,7 @@ def main(argv=None) -> int:
 
         runtime = process_before_model()
     if args.no_flash_attn and args.attention is None:
-        args.attention = default_attention(cfg, flash_attn=False)
+        args.attention = default_attention(cfg, flash_attn=False, torch_varlen=not args.no_torch_varlen)
     kw = dict(mfu=args.mfu, peak_tflops=args.peak_tflops, attention=args.attention, grad_reduce=args.grad_reduce,
               device_memory_gib=args.gpu_memory_gib or None, device="cuda" if args.device == "gpu" else "cpu",
               pipeline_rank=args.pipeline_rank, runtime_bytes=runtime, linear=args.linear)

@@ -103,12 +103,14 @@ class Prediction:
         return ", ".join(f"{k} {v / self.step_time:.0%}" for v, k in ranked)
 
 
-def default_attention(cfg: Config, flash_attn: bool = True) -> str:
-    """The attention numerics/kernels.py chooses on a GPU for `cfg` with flash-attn installed and working, or not
-    installed (`flash_attn` False: its next choice)."""
+def default_attention(cfg: Config, flash_attn: bool = True, torch_varlen: bool = True) -> str:
+    """The attention numerics/kernels.py chooses on a GPU for `cfg`: flash-attn installed and working or not
+    (`flash_attn`), torch's varlen kernel there or not (`torch_varlen`: torch >= 2.11 on sm80+, every supported
+    torch; False: an older build without it)."""
     m = cfg.model
     return select_attention(m.attn_backend, m.use_flash_attn, resolve_precision(m.dtype, "cuda"), "cuda",
-                            WORKING if flash_attn else NOT_INSTALLED, [], {})
+                            WORKING if flash_attn else NOT_INSTALLED, [], {},
+                            WORKING if torch_varlen else NOT_INSTALLED)
 
 
 def default_kernels(e: Estimate, gpu: GpuSpec, expert_gemm: Optional[str] = None) -> SpeedKernels:

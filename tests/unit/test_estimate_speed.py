@@ -9,7 +9,7 @@ from internlm_core.config import load_config
 from internlm_core.errors import ConfigError
 from internlm_core.estimate import estimate
 from internlm_core.estimate.gpus import EFFICIENCY, GPUS, gpu_spec
-from internlm_core.estimate.speed import SpeedKernels, default_kernels, predict
+from internlm_core.estimate.speed import SpeedKernels, default_attention, default_kernels, predict
 from tests.helpers.launch import run_script
 
 
@@ -83,6 +83,8 @@ def test_sdpa_fallback_predicts_lower_mfu_than_flash():
     assert flash.kernels.attention == "flash" and sdpa.kernels.attention == "sdpa"
     assert sdpa.terms["attention"] > 2 * flash.terms["attention"]   # full rows at a lower rate
     assert sdpa.mfu < flash.mfu
+    assert [default_attention(cfg, *have) for have in ((True, True), (False, True), (False, False))] == \
+        ["flash", "torch_varlen", "sdpa"]   # numerics/kernels.py's order
 
 
 def test_context_parallel_blockwise_core_is_memory_bound_and_slower():
@@ -122,12 +124,16 @@ def test_cli_prints_prediction_and_json():
     assert "time per step at MFU 50% of 989 TFLOP/s" in p.stdout   # the existing lines stay
     assert "predicted on H200 SXM 141GB" in p.stdout and "bound by: GEMM" in p.stdout
     assert "(fits in 141 GiB)" in p.stdout   # the table's memory
-    p = run_script("tools/estimate.py", ["--config", "configs/bench_gpu.py", "--gpu", "a100", "--no-flash-attn",
-                                         "--json"], timeout=120)
-    doc = json.loads(p.stdout)
-    assert doc["peak_tflops"] == 312 and doc["prediction"]["gpu"] == "A100 SXM 80GB"
-    assert doc["prediction"]["kernels"]["attention"] == doc["attention"] != "flash"
-    assert 0 < doc["prediction"]["mfu"] < 1
+    mfu = {}
+    for flags, attention in (([], "flash"), (["--no-flash-attn"], "torch_varlen"),
+                             (["--no-flash-attn", "--no-torch-varlen"], "sdpa")):
+        p = run_script("tools/estimate.py", ["--config", "configs/bench_gpu.py", "--gpu", "a100", "--json", *flags],
+                       timeout=120)
+        doc = json.loads(p.stdout)
+        assert doc["peak_tflops"] == 312 and doc["prediction"]["gpu"] == "A100 SXM 80GB"
+        assert doc["prediction"]["kernels"]["attention"] == doc["attention"] == attention
+        mfu[attention] = doc["prediction"]["mfu"]
+    assert mfu["flash"] == pytest.approx(mfu["torch_varlen"]) and mfu["sdpa"] < mfu["flash"] < 1
     p = run_script("tools/estimate.py", ["--config", "configs/bench_gpu.py"], timeout=120)
     assert p.returncode == 0 and "predicted" not in p.stdout
     p = run_script("tools/estimate.py", ["--config", "configs/bench_gpu.py", "--gpu", "v100"], timeout=120)
