@@ -84,6 +84,7 @@ class ModelConfig:
     qkv_bias: Optional[bool] = f(None, "Bias on q/k/v/o projections; default: True for INTERNLM, False for INTERNLM2/LLAMA.")
     use_fp32_norm: bool = f(False, "Keep norm weights and computation in fp32 under low-precision dtypes.")
     compile: bool = f(False, "torch.compile each transformer block.")
+    offload_activations: bool = f(False, "Activation offload: what each transformer block's forward saves for backward is copied to pinned host memory (a side CUDA stream, overlapped with compute) and back in backward (the next block's prefetched); tensors under 16 KiB and parameters stay on the device. Under model.checkpoint only what the checkpoint saves (the blocks' inputs) moves. Not with parallel.tensor > 1 (parallel/offload.py).")
     attn_backend: str = f("auto", "Attention kernel: auto (on GPUs with 16-bit compute flash-attn if usable, else torch's varlen kernel, else sdpa; cpu_blocked on CPU), flash or torch_varlen (fp32 inputs cast to bf16; refused where they cannot run), sdpa, cpu_blocked.")
     num_experts: int = f(0, "Experts of each mixture-of-experts FFN (MoE families: INTERNLM_MoE, MIXTRAL, ...); 0 for dense models.")
     moe_type: str = f("GShard", "MoE routing (InternEvo's names): GShard or MegaBlock (capacity-bounded, tokens over capacity dropped unless moe.drop_tokens is False), Dropless or MegaBlock-Dropless (every token reaches its top_k experts).")

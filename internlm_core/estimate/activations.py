@@ -100,12 +100,16 @@ class StageActivations:
 
 
 def stage_activations(tb: TokenBytes, lay: Layout, layers: int, checkpointed: int, micro_num: int,
-                      tokens: int) -> StageActivations:
-    """Under 1F1B the first stage holds up to min(pp, micro_num) micro-batches (more with interleaved chunks)."""
+                      tokens: int, offload: bool = False) -> StageActivations:
+    """Under 1F1B the first stage holds up to min(pp, micro_num) micro-batches (more with interleaved chunks).
+    With `offload` (model.offload_activations) the blocks' saved tensors are on the host: the device holds two
+    blocks' worth, the one backward is in and the one prefetched (kept small tensors and weights' views left out)."""
     in_flight = min(lay.pp, micro_num) if lay.pp > 1 else 1
     if lay.pp > 1 and lay.num_chunks > 1:
         in_flight *= 1 + (lay.pp - 1) / (lay.pp * lay.num_chunks)
     layers_act = (layers - checkpointed) * tb.block + checkpointed * tb.checkpointed + \
         (tb.block if checkpointed else 0)
+    if offload:
+        layers_act = min(layers_act, min(layers, 2) * tb.block)
     return StageActivations(layers_act, tokens * in_flight * (layers_act + tb.shared),
                             tokens * (layers_act + tb.shared + tb.head), in_flight, tokens)

@@ -136,7 +136,7 @@ def estimate(cfg: Config, world_size: int = 1, precision: str = "internlm_core",
     vocab = figures.counts.logits(args)
     c = stage_context(cfg, lay, figures, precision, comp, k, tb, fused_forward_chunks(
         k.cross_entropy, vocab.value / divisor(vocab.shard, lay.sizes), tokens, device))
-    acts = stage_activations(tb, lay, c.layers, c.checkpointed, d.micro_num, tokens)
+    acts = stage_activations(tb, lay, c.layers, c.checkpointed, d.micro_num, tokens, cfg.model.offload_activations)
     mem = pick_stage(c, acts, tb.shared, pipeline_rank)
     if device == "cpu":
         mem.runtime = float(runtime_bytes)
@@ -209,6 +209,8 @@ def notes(e: Estimate, c: StageContext, in_flight: float, pipeline_rank: Optiona
                        f"the {d.micro_num} micro-batches ({mem.accumulated_gradients / GiB:.1f} GiB beyond the shard)")
     if c.checkpointed:
         out.append(f"activation checkpointing: {c.checkpointed} of {c.layers} layers per stage keep only their input")
+    if e.cfg.model.offload_activations:
+        out.append("activation offload: the blocks' saved tensors on the host, two blocks' worth counted on the device")
     if e.cfg.model.checkpoint == "selective":
         out.append("selective activation checkpointing: counted as keeping every activation (an upper bound: "
                    "the elementwise ops' outputs are recomputed)")

@@ -20,6 +20,7 @@ from .activation_checkpoint import checkpoint_and_compile
 from .comm import CommCounter
 from .dtype_policy import apply_fp32_units, fsdp_wraps
 from .fsdp import apply_fsdp, apply_fsdp_to_dim_modules, mixed_precision_policy
+from .offload import check_offload, offload_blocks
 
 if TYPE_CHECKING:
     from .pipeline import PipelineParallel
@@ -37,6 +38,7 @@ class ParallelOptions:
     num_chunks: int = 1        # model.num_chunks: virtual pipeline stages per rank
     checkpoint: Any = False    # model.checkpoint: activation checkpointing ("full", "selective", bool or fraction)
     compile: bool = False      # model.compile
+    offload_activations: bool = False  # model.offload_activations (parallel/offload.py)
     sequence_parallel: bool = False
     parallel_output: bool = True
     micro_num: int = 1         # micro-batches per step (the pipeline schedule's)
@@ -50,8 +52,8 @@ def parallel_options(cfg: Config) -> ParallelOptions:
     """The ParallelOptions of a config."""
     m = cfg.model
     return ParallelOptions(inputs=cfg.model_inputs(), seed=cfg.seed, num_chunks=m.num_chunks, checkpoint=m.checkpoint,
-                           compile=m.compile, sequence_parallel=cfg.parallel.sequence_parallel,
-                           parallel_output=m.parallel_output, micro_num=cfg.data.micro_num,
+                           compile=m.compile, offload_activations=m.offload_activations,
+                           sequence_parallel=cfg.parallel.sequence_parallel, parallel_output=m.parallel_output, micro_num=cfg.data.micro_num,
                            micro_bsz=cfg.data.micro_bsz, seq_len=cfg.data.seq_len,
                            context_mode=cfg.parallel.context.mode, context_inner=cfg.parallel.context.inner)
 
@@ -110,6 +112,10 @@ def parallelize_model(model: nn.Module, spec: ModelSpec, options: ParallelOption
     n = checkpoint_and_compile(blocks, options.checkpoint, options.compile)
     if n:
         logger.info(f"activation checkpointing on {n} of {len(blocks)} blocks")
+    if options.offload_activations:
+        check_offload(True, dims.tp, dims.pp, options.compile)
+        offload_blocks(blocks, device)
+        logger.info(f"activation offload to host memory on {len(blocks)} blocks")
     if dims.cp > 1:
         from .context import apply_context_parallel
         apply_context_parallel(model, dims, options.context_mode, options.context_inner, tuple(chunks))

@@ -1,0 +1,186 @@
+"""model.offload_activations (issue 38 item 4) on the CPU: gradients bitwise equal with and without the offload
+(fp32, also under activation checkpointing), every saved tensor of the blocks above the threshold moved (counted by
+a saved-tensors hook of the test's own), and the CUDA path's order of copies, events and record_stream checked
+with a recorder standing in for the streams."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from internlm_core.errors import ConfigError
+from internlm_core.model import build_model
+from internlm_core.parallel import checkpoint_and_compile
+from internlm_core.parallel.offload import MIN_BYTES, HostOps, Offloader, check_offload, is_parameter, offload_blocks
+from tests.unit.test_model import small_cfg
+
+
+def _cfg():
+    return small_cfg(num_layers=4, hidden_size=64, vocab_size=97)
+
+
+def _model(state, checkpoint=False, offload=False, min_bytes=MIN_BYTES):
+    model = build_model(_cfg())
+    model.load_state_dict(state)
+    blocks = list(model.layers.values())
+    checkpoint_and_compile(blocks, checkpoint, compile=False)
+    offloader = offload_blocks(blocks, torch.device("cpu"), min_bytes) if offload else None
+    return model, offloader
+
+
+def _ids():
+    return torch.randint(0, 97, (8, 32), generator=torch.Generator().manual_seed(1))
+
+
+def _grads(model):
+    model(_ids()).float().pow(2).mean().backward()
+    return [p.grad for p in model.parameters()]
+
+
+@pytest.mark.parametrize("checkpoint", [False, "full", "selective"])
+def test_gradients_bitwise_equal_with_and_without_offload(checkpoint):
+    torch.manual_seed(0)
+    state = build_model(_cfg()).state_dict()
+    ref = _grads(_model(state, checkpoint)[0])
+    model, offloader = _model(state, checkpoint, offload=True)
+    got = _grads(model)
+    assert all(torch.equal(a, b) for a, b in zip(got, ref))
+    s = offloader.stats
+    assert s.offloaded > 0 and s.unpacks >= s.offloaded and s.fetched_groups == 1
+    assert s.prefetched_groups == 3  # the last block is fetched when backward reaches it, each other one prefetched
+    if checkpoint == "full":  # the checkpoint saves only each block's inputs: hidden states (8 x 32 x 64 fp32, 64 KiB)
+        # and the rotary tables cos, sin (8 x 32 x 1 x 16, 16 KiB each)
+        assert s.offloaded == 4 * 3 and s.offloaded_bytes == 4 * (8 * 32 * 64 + 2 * 8 * 32 * 16) * 4, s
+
+
+class _Counter:
+    """A saved-tensors hook counter: wraps a pack hook, sorting what it returns by where the tensor stays."""
+
+    def __init__(self, pack):
+        self.inner, self.device_bytes, self.host = pack, [], 0
+
+    def __call__(self, t):
+        out = self.inner(t)
+        if isinstance(out, torch.Tensor):  # kept: resident on the device
+            self.device_bytes.append((t.numel() * t.element_size(), is_parameter(t)))
+        else:
+            self.host += 1
+        return out
+
+
+def _saved_bytes_of_blocks(model):
+    """Bytes autograd saves inside the blocks' forwards, without the offload (a plain counting hook)."""
+    total = []
+    for block in model.layers.values():
+        def counting(*a, _f=block.forward, **k):
+            with torch.autograd.graph.saved_tensors_hooks(lambda t: total.append(t.numel() * t.element_size()) or t,
+                                                          lambda t: t):
+                return _f(*a, **k)
+        block.forward = counting
+    _grads(model)
+    return sum(total)
+
+
+def test_every_large_saved_tensor_is_moved():
+    torch.manual_seed(0)
+    state = build_model(_cfg()).state_dict()
+    model, offloader = _model(state, offload=True)
+    counter = offloader.pack = _Counter(offloader.pack)
+    _grads(model)
+    s = offloader.stats
+    assert counter.host == s.offloaded > 0 and s.packs == s.offloaded + len(counter.device_bytes)
+    # nothing above the threshold stays on the device but the parameters (and their views)
+    assert sum(b for b, param in counter.device_bytes if b >= MIN_BYTES and not param) == 0
+    assert s.kept_subclass_bytes == 0
+    assert _saved_bytes_of_blocks(_model(state)[0]) == (s.offloaded_bytes + s.kept_small_bytes + s.kept_param_bytes)
+    assert s.offloaded_bytes > 10 * s.kept_small_bytes  # the activations, not the bookkeeping, are what moves
+    assert s.unpacks == s.packs  # every saved tensor came back once
+
+
+class _Recorder(HostOps):
+    """The streams and events of the CUDA path as a log of calls (streams "compute"/"side", numbered events)."""
+
+    def __init__(self):
+        self.log, self.events = [], 0
+
+    def current_stream(self):
+        return "compute"
+
+    def side_stream(self):
+        return "side"
+
+    def record_event(self, stream):
+        self.events += 1
+        self.log.append(("record", stream, self.events))
+        return self.events
+
+    def wait_event(self, stream, event):
+        self.log.append(("wait", stream, event))
+
+    def record_stream(self, t, stream):
+        self.log.append(("record_stream", stream))
+
+    def to_host(self, t, stream):
+        self.log.append(("d2h", stream))
+        return super().to_host(t, stream)
+
+    def to_device(self, host, device, stream):
+        self.log.append(("h2d", stream))
+        return super().to_device(host, device, stream)
+
+
+def test_cuda_order_of_copies_events_and_streams():
+    ops = _Recorder()
+    off = Offloader(ops, min_bytes=16)
+    x = torch.randn(4, 8, requires_grad=True)
+    with off.block(0):
+        a = (x * 2).sin()          # saves x*2 (mul by a python scalar saves nothing)
+    with off.block(1):
+        b = (a * 3).sin()
+    forward = list(ops.log)
+    # each pack: an event on compute, the side stream waits for it, copies, keeps t's memory for itself, an event
+    assert forward == [("record", "compute", 1), ("wait", "side", 1), ("d2h", "side"), ("record_stream", "side"),
+                       ("record", "side", 2),
+                       ("record", "compute", 3), ("wait", "side", 3), ("d2h", "side"), ("record_stream", "side"),
+                       ("record", "side", 4)]
+    ops.log.clear()
+    b.sum().backward()
+    # block 1 first: its copy back after its copy out (event 4), then block 0 prefetched (after event 2) before
+    # block 1's tensor is handed out; the compute stream waits for that tensor's copy back and keeps its memory
+    assert ops.log[:6] == [("wait", "side", 4), ("h2d", "side"), ("record", "side", 5),
+                           ("wait", "side", 2), ("h2d", "side"), ("record", "side", 6)]
+    assert ops.log[6:] == [("wait", "compute", 5), ("record_stream", "compute"),
+                           ("wait", "compute", 6), ("record_stream", "compute")]
+    assert off.stats.fetched_groups == 1 and off.stats.prefetched_groups == 1
+    assert torch.equal(x.grad, ((x * 2).sin() * 3).cos() * 3 * (x * 2).cos() * 2)
+
+
+def test_a_new_forward_pass_does_not_prefetch_into_the_previous_one():
+    off = Offloader(HostOps(), min_bytes=16)
+    x = torch.randn(4, 8, requires_grad=True)
+    with off.block(0):
+        a = (x * 2).sin()
+    with off.block(0):  # the next micro-batch's first block: no link to the previous pass
+        b = (x * 3).sin()
+    with off.block(1):
+        c = (b * 3).sin()
+    (a.sum() + c.sum()).backward()
+    assert off.stats.fetched_groups == 2 and off.stats.prefetched_groups == 1
+
+
+def test_refusals_name_the_key():
+    check_offload(False, tensor=2, pipeline=2, compile=True)
+    with pytest.raises(ConfigError, match=r"^model.offload_activations: not with parallel.tensor > 1"):
+        check_offload(True, tensor=2, pipeline=1, compile=False)
+
+
+def test_estimator_counts_two_blocks_on_the_device():
+    from internlm_core.config import load_config
+    from internlm_core.estimate import estimate
+    off = load_config("configs/7B.py", ["model.offload_activations=True"])
+    on = load_config("configs/7B.py", ["model.offload_activations=False"])
+    a, b = estimate(off, 8), estimate(on, 8)
+    block = a.token_bytes.block * on.data.seq_len * on.data.micro_bsz
+    assert b.memory.activations - a.memory.activations == pytest.approx(
+        (on.model.num_layers - 2) * block, rel=1e-6), (a.memory.activations, b.memory.activations)
+    assert any("activation offload" in n for n in a.notes)
