@@ -46,8 +46,10 @@ def apply_context_parallel(model: nn.Module, dims: ParallelDims, mode: str, inne
 @dataclass
 class ContextCut:
     """Cuts a host micro-batch (ROW_KEYS [rows, T] and `cu_seqlens`) into this rank's zigzag chunk: ROW_KEYS
-    [rows, T / size], `document_ids` [rows, T / size] instead of cu_seqlens, and `loss_share`: the chunk's counted
-    tokens (labels != -100) over the micro-batch's, the factor of this rank's mean loss."""
+    [rows, T / size], `document_ids` [rows, T / size] instead of cu_seqlens (and `row_document_ids` [rows, T], all
+    on the host, which the model's layout reads without exchanging the chunks' ids or waiting for the device), and
+    `loss_share`: the chunk's counted tokens (labels != -100) over the micro-batch's, the factor of this rank's
+    mean loss."""
 
     size: int
     rank: int
@@ -68,7 +70,9 @@ class ContextCut:
         rows, seq_len = mb["input_ids"].shape
         idx = self.indices(seq_len)
         out = {k: mb[k][:, idx].contiguous() for k in ROW_KEYS}
-        out["document_ids"] = document_ids_from_cu_seqlens(mb["cu_seqlens"], rows, seq_len)[:, idx].contiguous()
+        docs = document_ids_from_cu_seqlens(mb["cu_seqlens"], rows, seq_len)
+        out["document_ids"] = docs[:, idx].contiguous()
+        out["row_document_ids"] = docs  # the whole rows': the layout needs no exchange of the chunks' ids
         out["loss_share"] = context_share(out["labels"], mb["labels"])
         return out
 

@@ -140,8 +140,9 @@ class Trainer:
 
     def _forward(self, mb: dict) -> torch.Tensor:
         """The model on one micro-batch: its documents as cu_seqlens, or per-token ids under context parallel."""
-        if "document_ids" in mb:
-            return self.model(mb["input_ids"], mb["position_ids"], document_ids=mb["document_ids"])
+        if "document_ids" in mb:  # context parallel: the whole rows' ids (host), which no rank has to exchange
+            return self.model(mb["input_ids"], mb["position_ids"],
+                              document_ids=mb.get("row_document_ids", mb["document_ids"]))
         return self.model(mb["input_ids"], mb["position_ids"], mb["cu_seqlens"])
 
     def _check_vocab(self, batch: dict) -> None:

@@ -3,7 +3,9 @@
 A CPU run has one device, so the counter emulates the CUDA run's two: every tensor is taken to be on the device
 (the run's GPU) except those known to be on the host. Host tensors are the ones the test marks (`host(...)`: the
 loader's batch), the ones torch creates without a `device` argument (`torch.tensor([..])`, `torch.arange(n)`,
-...), the results of a device-to-host copy, and whatever is computed from host tensors only. Two modes run
+...), the results of a device-to-host copy, and whatever is computed from host tensors only; a tensor made before
+the counter started and not marked counts as a device tensor (a host read of a cached host tensor then shows as
+a sync: mark such tensors). Two modes run
 together: a TorchFunctionMode sees the Python calls (copies, `tolist`, factories), a TorchDispatchMode the ATen
 ops (scalar reads, data-dependent shapes, also inside composite functions).
 

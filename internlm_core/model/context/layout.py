@@ -9,8 +9,9 @@ one outer group o exchange heads with all-to-all (the fast links when consecutiv
 over the outer groups between ranks of the same inner position i (they hold the same heads). "all_to_all" is
 inner = C (one outer group), "ring" is inner = 1.
 
-`build_context_meta` runs once per forward (outside the layers): it all-gathers the local document ids over the
-context group (the only collective of the layout), places them at their global token positions, and plans, for
+`build_context_meta` runs once per forward (outside the layers): from the whole rows' document ids, which the
+trainer's cut keeps on the host (given only the local chunk's, it all-gathers them over the context group and
+reads them back: the layout's only collective and host sync), it plans, for
 the tokens this rank computes queries for and each block of keys it will see, which blocks of keys are not fully
 masked (blockwise.plan_blocks). Every layer then reuses it.
 """
@@ -180,25 +181,32 @@ def _global_documents(context: ContextGroup, local: torch.Tensor) -> torch.Tenso
 def _tokens(ranks: list[int], T: int, C: int, doc: torch.Tensor, doc_host: torch.Tensor) -> TokenSet:
     """The tokens of context ranks `ranks`, concatenated in that order (an all-to-all's gathered order)."""
     index = torch.cat([zigzag_indices(T, C, r) for r in ranks])
-    return TokenSet(index.to(doc.device), doc[:, index.to(doc.device)], index, doc_host[:, index])
+    on_device = to_device(index, doc.device)  # pinned on CUDA: the host does not wait
+    return TokenSet(on_device, doc[:, on_device], index, doc_host[:, index])
 
 
 def build_context_meta(context: ContextGroup, document_ids: Optional[torch.Tensor], batch: int, local_len: int,
                        device: torch.device, window: Optional[int] = None) -> ContextMeta:
     """The layout of one micro-batch of `batch` rows, each rank holding `local_len` tokens of a row (zigzag).
 
-    document_ids: [B, T/C] the document of each local token (None: every row is one document). Document ids
-    are compared within a row only; equal ids must mean the same document on every rank (ids of the whole row)."""
-    if document_ids is None:
-        document_ids = torch.zeros((batch, local_len), dtype=torch.int64, device=device)
-    if tuple(document_ids.shape) != (batch, local_len):
-        raise ValueError(f"context parallel: document_ids must be the local chunk [{batch}, {local_len}] "
-                         f"(B, T / {context.size}), got {list(document_ids.shape)}")
+    document_ids: [B, T] the document of every token of the rows (host: nothing exchanged, nothing read back from
+    the device; the trainer's cut gives them) or [B, T/C] of the local tokens only (every context rank must give
+    the local chunk: they are all-gathered and read back on the host once); None: every row is one document.
+    Document ids are compared within a row only; equal ids must mean the same document on every rank."""
     C, a = context.size, context.a2a_size
     T = local_len * C
+    if document_ids is None:
+        document_ids = torch.zeros((batch, T), dtype=torch.int64)
+    if tuple(document_ids.shape) not in ((batch, local_len), (batch, T)):
+        raise ValueError(f"context parallel: document_ids must be the local chunk [{batch}, {local_len}] "
+                         f"(B, T / {context.size}) or the whole rows [{batch}, {T}], got {list(document_ids.shape)}")
     zigzag_indices(T, C, context.rank)  # checks T % 2C
-    doc = _global_documents(context, to_device(document_ids.to(torch.int64), device))
-    doc_host = doc.cpu()  # the block plans are made on the host: one copy per forward
+    if document_ids.shape[1] == T:
+        doc_host = document_ids.to(device="cpu", dtype=torch.int64)
+        doc = to_device(doc_host, device)
+    else:
+        doc = _global_documents(context, to_device(document_ids.to(torch.int64), device))
+        doc_host = doc.cpu()  # the block plans are made on the host: one copy per forward
     n, o, i = C // a, context.rank // a, context.rank % a
     if context.mode == "2d" and 1 < a < C and context.inner_group is None:
         raise ValueError("2d context parallel: the inner all-to-all group is missing (call set_context_parallel "
