@@ -23,6 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from gpu_rows_varlen import row_varlen_contract
+from gpu_rows_offload import row_offload
 from gpu_rows_numerics import (compare_attention, row_context_mixed_dtypes, row_moe_grouped_sync,
                                row_norm_autocast, row_torch_api_test)
 from gpu_rows_speed import row_speed_compiled, row_speed_eager
@@ -387,6 +388,7 @@ ROWS = [
     Row("speed 1.1B eager: measured vs predicted", row_speed_eager, 60),
     Row("speed 1.1B compiled: measured vs predicted", row_speed_compiled, 150),
     Row("simulate 7B rank 0 of 8 on the GPU", row_simulate_7b, 170),
+    Row("activation offload: peak and step time", row_offload, 40),
     Row("kernel choice, sdpa vs blocked attention", row_kernels, 20),
     Row("loss kernels bf16/fp16 vs fp32", row_loss_kernels, 30),
     Row("context attention, fp32 q/k + bf16 v", row_context_mixed_dtypes, 20),
