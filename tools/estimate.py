@@ -3,6 +3,7 @@
     python tools/estimate.py --config configs/7B.py --gpus 64 --set parallel.zero1=8
     python tools/estimate.py --config configs/7B.py --gpus 8 --set model.checkpoint=True data.micro_bsz=8
     python tools/estimate.py --config configs/7B.py --gpus 8 --precision internlm --peak-tflops 312 --mfu 0.58
+    python tools/estimate.py --config configs/7B.py --gpus 8 --gpu h200   # + predicted step time, MFU, what bounds it
 
 Memory is the peak on the busiest device (or on a rank of pipeline stage `--pipeline-rank`): parameters,
 gradients and optimizer state under the layout (tensor / pipeline / zero1 sharding), 16-bit weight copies kept
