@@ -17,7 +17,6 @@ it (tests/unit/test_memory_fit.py, test_estimate.py), so that it is the same on 
 from __future__ import annotations
 
 import contextlib
-import functools
 from dataclasses import dataclass
 from typing import ClassVar, Iterator, Optional
 
@@ -46,9 +45,12 @@ CpuFeatures.NATIVE = CpuFeatures(HALF_DTYPES, True)
 CpuFeatures.EMULATED = CpuFeatures((), True)
 
 
-@functools.lru_cache(maxsize=None)
 def detect() -> CpuFeatures:
-    """This machine's features (oneDNN's own probes; a torch build without them: none)."""
+    """This machine's features (oneDNN's own probes; a torch build without them: none), probed once at import."""
+    return _DETECTED
+
+
+def _probe() -> CpuFeatures:
     onednn = torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
     try:
         native = (torch.bfloat16,) if torch.ops.mkldnn._is_mkldnn_bf16_supported() else ()
@@ -58,12 +60,15 @@ def detect() -> CpuFeatures:
     return CpuFeatures(native, bool(onednn))
 
 
+# Probed at import, a plain module constant: the linear layers read it inside compiled blocks, where torch.compile
+# would otherwise trace the probes themselves (an lru_cache is not honoured by dynamo).
+_DETECTED: CpuFeatures = _probe()
 _pinned: Optional[CpuFeatures] = None
 
 
 def current() -> CpuFeatures:
     """The features kernels and the estimator decide from: the pinned ones, else this machine's."""
-    return _pinned if _pinned is not None else detect()
+    return _pinned if _pinned is not None else _DETECTED
 
 
 def pin(features: Optional[CpuFeatures]) -> Optional[CpuFeatures]:
