@@ -31,6 +31,7 @@ from typing import Optional
 
 import torch
 
+from ...utils.transfer import to_device
 from .blockwise import TokenSet, attend_backward, attend_forward, from_groups, merge, plan_blocks, to_groups
 from .layout import ContextMeta, RingPeers
 from .ring import _shift, _wait
@@ -184,10 +185,11 @@ class _Segments:
             self.k.append(k)
 
     def call(self, device: torch.device) -> VarlenCall:
+        """The call, its index tensors copied to `device` without making the host wait (pinned, non-blocking)."""
         cu = [torch.tensor([0] + [len(x) for x in side]).cumsum(0).to(torch.int32) for side in (self.q, self.k)]
-        return VarlenCall(torch.cat(self.q).to(device), torch.cat(self.k).to(device), cu[0].to(device),
-                          cu[1].to(device), max(len(x) for x in self.q), max(len(x) for x in self.k), self.causal,
-                          self.window)
+        q_idx, k_idx, cu_q, cu_k = (to_device(t, device) for t in (torch.cat(self.q), torch.cat(self.k), *cu))
+        return VarlenCall(q_idx, k_idx, cu_q, cu_k, max(len(x) for x in self.q), max(len(x) for x in self.k),
+                          self.causal, self.window)
 
 
 def _doc_runs(doc: torch.Tensor) -> list[tuple[int, int]]:
@@ -244,11 +246,15 @@ def _full_pairs(calls: dict, r: int, piece: tuple[int, int], before: list[tuple[
 
 
 def step_forward(kernel: str, qf: torch.Tensor, kf: torch.Tensor, vf: torch.Tensor, calls: list[VarlenCall],
-                 out: torch.Tensor, lse: torch.Tensor) -> None:
-    """Merge one step's calls into the running fp32 out [H, N, D] and lse [H, N] (qf [N, H, D], kf/vf [M, Hkv, D])."""
-    for c in calls:
+                 out: torch.Tensor, lse: torch.Tensor, first: bool = False) -> None:
+    """Merge one step's calls into the running fp32 out [H, N, D] and lse [H, N] (qf [N, H, D], kf/vf [M, Hkv, D]).
+    first: out and lse are still empty (zeros, -inf): the first call's result is stored, not merged."""
+    for i, c in enumerate(calls):
         o, l = kernel_forward(kernel, qf[c.q_idx], kf[c.k_idx], vf[c.k_idx], c)
-        out[:, c.q_idx], lse[:, c.q_idx] = merge(out[:, c.q_idx], lse[:, c.q_idx], o.transpose(0, 1).float(), l)
+        if first and i == 0:  # a call's queries are distinct: merging into nothing is a copy
+            out[:, c.q_idx], lse[:, c.q_idx] = o.transpose(0, 1).float(), l
+        else:
+            out[:, c.q_idx], lse[:, c.q_idx] = merge(out[:, c.q_idx], lse[:, c.q_idx], o.transpose(0, 1).float(), l)
 
 
 def step_backward(kernel: str, doutf: torch.Tensor, qf: torch.Tensor, kf: torch.Tensor, vf: torch.Tensor,
@@ -283,7 +289,7 @@ class VarlenContextAttention(torch.autograd.Function):
         steps = ring.size if ring is not None else 1
         for s in range(steps):
             nxt = _shift(kv, ring) if s < steps - 1 else None
-            step_forward(kernel, qf, kv[0].flatten(0, 1), kv[1].flatten(0, 1), calls[s], out, lse)
+            step_forward(kernel, qf, kv[0].flatten(0, 1), kv[1].flatten(0, 1), calls[s], out, lse, first=s == 0)
             if nxt is not None:
                 _wait(nxt[1])
                 kv = nxt[0]
