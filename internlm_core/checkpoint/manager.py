@@ -142,9 +142,7 @@ class CheckpointManager:
         if d is None:
             return {"world_size": self.world_size, "dp": self.world_size, "dp_shard": self.world_size,
                     "dp_replicate": 1, "tp": 1, "pp": 1, "zero1": -1}
-        return {"world_size": int(d.world_size), "dp": int(d.dp), "dp_shard": int(d.dp_shard),
-                "dp_replicate": int(d.dp_replicate), "tp": int(d.tp), "pp": int(d.pp), "zero1": int(d.zero1),
-                **({"cp": int(d.cp)} if d.cp > 1 else {})}  # context parallel (absent: 1, as older checkpoints)
+        return d.record()
 
     @property
     def dp_rank(self) -> int:

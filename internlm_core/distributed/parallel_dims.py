@@ -12,6 +12,27 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from ..config.schema import ParallelConfig
 from ..errors import ConfigError
 
+# the flattened meshes: name -> what its ranks are. A mesh dimension joins those its declaration (`Axis.joins`)
+# names; each is built from the dimensions that join it, in mesh order, and exists whatever their sizes.
+FLATTENED = {
+    "dp": "the data-parallel ranks: each reads its own rows (the loaders' ranks)",
+    "dp_shard": "the sharded data-parallel ranks (a mesh dimension of its own unless a family carves dimensions out)",
+    "dp_shard_cp": "the ranks FSDP shards parameters over: all that hold the same parameters, less the replicas",
+    "dp_cp": "the ranks gradients are averaged over (the loss contract's D)",
+    "pp_dp": "the ranks whose losses and metrics together cover the global batch once",
+}
+_DATA = ("dp", "dp_shard_cp", "dp_cp", "pp_dp")  # what a data-parallel shard dimension joins
+
+
+@dataclass(frozen=True)
+class Axis:
+    """One declared dimension of the device mesh: its name, its size (1: off, still built) and the flattened
+    meshes (FLATTENED) its ranks belong to."""
+
+    name: str
+    size: int
+    joins: tuple[str, ...] = ()
+
 
 @dataclass
 class ParallelDims:
@@ -27,7 +48,11 @@ class ParallelDims:
 
     `extra`: ((name, size), ...) of the mesh dimensions a model family adds (model.MeshDim): each is carved out of
     `dp_shard` (dp_shard = dp_shard_rest * the product of their sizes), so every generic group keeps its ranks
-    and meaning; only the modules the family shards over such a dimension see it."""
+    and meaning; only the modules the family shards over such a dimension see it.
+
+    Every dimension is declared (`axes`: name, size, the flattened meshes it joins) and built, with size 1 when
+    off; every group, flattened ones included (`FLATTENED`), is derived from those declarations and always
+    exists under its one name."""
 
     world_size: int
     tp: int = 1
@@ -55,7 +80,38 @@ class ParallelDims:
                               f"data-parallel size {self.dp_shard} (world {self.world_size} / (tensor {self.tp} * "
                               f"pipeline {self.pp}), zero1 {self.zero1}): they are carved out of it")
 
-    GENERIC = ("pp", "dp_replicate", "dp_shard", "dp_shard_rest", "cp", "tp", "dp", "pp_dp", "dp_shard_cp", "dp_cp")
+    GENERIC = ("pp", "dp_replicate", "dp_shard", "dp_shard_rest", "cp", "tp", *FLATTENED)
+
+    @property
+    def axes(self) -> tuple[Axis, ...]:
+        """The mesh's dimensions in rank order (the last varies fastest), every one declared whatever its size:
+        pipeline, data replicate, data shard (or what is left of it and the family's dimensions carved out of
+        it), context, tensor. Tensor-parallel peers are neighbours, then context peers (on one node under NCCL)."""
+        if self.extra:
+            shard = (Axis("dp_shard_rest", self.dp_shard_rest, ("dp_shard", *_DATA)),
+                     *(Axis(n, s, ("dp_shard", *_DATA)) for n, s in self.extra))
+        else:
+            shard = (Axis("dp_shard", self.dp_shard, _DATA),)
+        # context ranks read the same rows and hold the same parameters: FSDP shards over them, gradients and
+        # losses are reduced over them, but they are not data-parallel ranks
+        return (Axis("pp", self.pp, ("pp_dp",)), Axis("dp_replicate", self.dp_replicate, ("dp", "dp_cp", "pp_dp")),
+                *shard, Axis("cp", self.cp, ("dp_shard_cp", "dp_cp", "pp_dp")), Axis("tp", self.tp))
+
+    def flattened(self) -> dict[str, tuple[str, ...]]:
+        """{flattened mesh: the mesh dimensions it spans, in mesh order}, from the declarations (`axes`); a name
+        that is a mesh dimension itself ("dp_shard" without a family's dimensions) is not flattened again."""
+        axes, names = self.axes, {a.name for a in self.axes}
+        return {flat: tuple(a.name for a in axes if flat in a.joins) for flat in FLATTENED if flat not in names}
+
+    def flat_size(self, name: str) -> int:
+        """The number of ranks of a mesh dimension or flattened mesh (1 when the layout does not have it)."""
+        sizes = {a.name: a.size for a in self.axes}
+        if name in sizes:
+            return sizes[name]
+        n = 1
+        for dim in self.flattened().get(name, ()):
+            n *= sizes[dim]
+        return n
 
     @classmethod
     def from_config(cls, p: ParallelConfig, world_size: int, extra: tuple[tuple[str, int], ...] = ()
@@ -84,12 +140,17 @@ class ParallelDims:
     @property
     def dp_cp(self) -> int:
         """The ranks gradients are reduced over (data x context parallel)."""
-        return self.dp * self.cp
+        return self.flat_size("dp_cp")
 
     @property
     def dp_shard_cp(self) -> int:
         """The ranks FSDP shards parameters over (the sharded data-parallel ranks x context parallel)."""
-        return self.dp_shard * self.cp
+        return self.flat_size("dp_shard_cp")
+
+    @property
+    def pp_dp(self) -> int:
+        """The ranks whose losses and metrics together cover the global batch once (pipeline x data x context)."""
+        return self.flat_size("pp_dp")
 
     @property
     def dp_shard(self) -> int:
@@ -100,45 +161,40 @@ class ParallelDims:
         return self.dp // self.dp_shard
 
     def build_mesh(self, device_type: str) -> Optional[DeviceMesh]:
-        """Mesh ("pp", "dp_replicate", "dp_shard", ["cp",] "tp"), rank = (((pp * dp_replicate + r) * dp_shard + s)
-        * cp + c) * tp + t (tensor-parallel peers are neighbours, then context peers: on one node under NCCL), with
-        flattened dimensions: "dp" (all data-parallel ranks), "pp_dp" (pipeline x data x context parallel: the ranks
-        whose losses and metrics together cover the global batch once, each tensor-parallel rank holding a copy)
-        and, under context parallel, "dp_shard_cp" and "dp_cp" (what FSDP shards and reduces over). A family's own
-        dimensions split "dp_shard" into ("dp_shard_rest", *theirs). None for one process."""
+        """The mesh of every declared dimension (`axes`: "pp", "dp_replicate", "dp_shard" -- or "dp_shard_rest" and
+        the family's own --, "cp", "tp"; size 1 when off), rank = (((pp * dp_replicate + r) * dp_shard + s) * cp + c)
+        * tp + t, with every flattened mesh (FLATTENED: "dp", "pp_dp", "dp_shard_cp", "dp_cp" and, with a family's
+        dimensions, "dp_shard"). The same ranks in the same order whatever the sizes. None for one process."""
         if self.world_size == 1 or not dist.is_initialized():
             return None
         if dist.get_world_size() != self.world_size:
             raise ConfigError(f"ParallelDims for world size {self.world_size}, but the process group has "
                               f"{dist.get_world_size()} ranks")
-        # the same ranks in the same order whatever the split of dp_shard (the family's dimensions carved out of it)
-        names = tuple(n for n, _ in self.extra)
-        shard = ("dp_shard_rest", *names) if self.extra else ("dp_shard",)
-        shard_sizes = (self.dp_shard_rest, *(s for _, s in self.extra)) if self.extra else (self.dp_shard,)
-        cp = ("cp",) if self.cp > 1 else ()
-        mesh = init_device_mesh(device_type, (self.pp, self.dp_replicate, *shard_sizes, *((self.cp,) if cp else ()),
-                                              self.tp),
-                                mesh_dim_names=("pp", "dp_replicate", *shard, *cp, "tp"))
-        flat = {"dp": ("dp_replicate", *shard), "pp_dp": ("pp", "dp_replicate", *shard, *cp)}
-        if self.extra:
-            flat["dp_shard"] = shard
-        if cp:
-            flat.update(dp_shard_cp=(*shard, "cp"), dp_cp=("dp_replicate", *shard, "cp"))
-        self._flat = {name: mesh[dims]._flatten(name) for name, dims in flat.items()}
+        axes = self.axes
+        mesh = init_device_mesh(device_type, tuple(a.size for a in axes), mesh_dim_names=tuple(a.name for a in axes))
+        self._flat = {name: mesh[dims]._flatten(name) for name, dims in self.flattened().items()}
         self.mesh = mesh
         return mesh
+
+    # dimensions that came after the first checkpoints: a layout records them only when on (absent: 1)
+    RECORDED_WHEN_ON = ("cp",)
+
+    def record(self) -> dict[str, int]:
+        """The layout a checkpoint's meta.json records (a resume with the same one is exact)."""
+        return {"world_size": int(self.world_size), "dp": int(self.dp), "dp_shard": int(self.dp_shard),
+                "dp_replicate": int(self.dp_replicate), "tp": int(self.tp), "pp": int(self.pp),
+                "zero1": int(self.zero1),
+                **{a.name: int(a.size) for a in self.axes if a.name in self.RECORDED_WHEN_ON and a.size > 1}}
 
     def size(self, name: str) -> int:
         """The size of a family's dimension (1 when the layout does not have it)."""
         return dict(self.extra).get(name, 1)
 
     def submesh(self, name: str) -> DeviceMesh:
-        """The mesh of one dimension ("pp", "dp_replicate", "dp_shard", "cp", "tp") or flattened one ("dp", "pp_dp",
-        "dp_shard_cp", "dp_cp"; without context parallel the last two are "dp_shard" and "dp")."""
+        """The mesh of one declared dimension (`axes`: "pp", "dp_replicate", "dp_shard", "cp", "tp", a family's) or
+        flattened one (FLATTENED: "dp", "pp_dp", "dp_shard_cp", "dp_cp"), whatever the sizes."""
         if self.mesh is None:
             raise ValueError("ParallelDims.submesh: no device mesh (one process, or build_mesh not called)")
-        if self.cp == 1 and name in ("dp_shard_cp", "dp_cp"):
-            name = name[:-3]
         return self._flat[name] if name in self._flat else self.mesh[name]
 
     def _coord(self, name: str) -> tuple[int, int]:
@@ -161,7 +217,7 @@ class ParallelDims:
 
     @property
     def cp_rank(self) -> int:
-        return self._coord("cp")[0] if self.cp > 1 else 0
+        return self._coord("cp")[0]
 
     def group(self, name: str) -> Optional[dist.ProcessGroup]:
         """The process group of one mesh dimension ("dp", "tp", "pp", "pp_dp", ...); None for one process."""

@@ -51,8 +51,6 @@ def _data_mesh(dims: ParallelDims, shard: str):
     """The data-parallel mesh FSDP shards over: `shard` ("dp_shard_cp": dp_shard x context, or "dp_shard_rest" for
     the modules a family's own dimension sharded), with the replicas as an outer dimension (HSDP)."""
     if dims.dp_replicate > 1:
-        if shard == "dp_shard_cp" and dims.cp == 1:
-            shard = "dp_shard"  # no context dimension: the flattened name does not exist
         return dims.mesh["dp_replicate", shard]
     return dims.submesh(shard)
 
