@@ -13,10 +13,12 @@ subclasses (DTensor: tensor parallel is refused with the offload, `check_offload
 
 The copies, on CUDA (`CudaOps`): pack records an event on the compute stream, the side stream waits for it and
 copies the tensor into a pinned host buffer with non_blocking=True, and `record_stream(side)` keeps the device
-memory from being reused before that copy has read it; an event marks the copy done. In backward, the first unpack
-of a block copies all its tensors back on the side stream (after their device-to-host events) and then prefetches
-the block forwarded before it (the next one backward reaches) the same way; each unpack makes the compute stream wait
-for its tensor's host-to-device event and `record_stream(compute)` the device copy (allocated on the side stream).
+memory from being reused before that copy has read it; an event marks the copy done. A block's forward starts (on
+the compute stream) only after the copies out of the block IN_FLIGHT (2) before it are done: copies slower than the
+compute would otherwise hold the device memory of the whole forward. In backward, the first unpack of a block copies
+all its tensors back on the side stream (after their device-to-host events) and then prefetches the block forwarded
+before it (the next one backward reaches) the same way; each unpack makes the compute stream wait for its tensor's
+host-to-device event and `record_stream(compute)` the device copy (allocated on the side stream).
 The decisions are plain methods over an `ops` object (`CudaOps`, `HostOps`), so the order is tested on the CPU with
 a recorder. On the CPU (`HostOps`, device == host) the copies are synchronous into separate plain buffers: the hooks
 and the bookkeeping run, nothing is saved.
@@ -29,6 +31,7 @@ copy may read it late): the model families here never do.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import weakref
 from dataclasses import dataclass, field
@@ -42,6 +45,7 @@ from ..errors import ConfigError
 __all__ = ["MIN_BYTES", "CudaOps", "HostOps", "Offloader", "OffloadStats", "check_offload", "offload_blocks"]
 
 MIN_BYTES = 16 * 1024  # saved tensors smaller than this stay on the device
+IN_FLIGHT = 2  # a block's forward starts after the copies out of the block IN_FLIGHT before it are done
 
 
 def is_parameter(t: torch.Tensor) -> bool:
@@ -157,6 +161,7 @@ class _Group:
     saved: list = field(default_factory=list)  # weakref.ref(_Saved)
     fetched: bool = False   # its copies back started
     started: bool = False   # backward unpacked one of its tensors
+    last_d2h: Any = None    # the event of its last copy out
 
     def __hash__(self) -> int:
         return id(self)
@@ -165,9 +170,10 @@ class _Group:
 class Offloader:
     """The pack/unpack hooks of every offloaded block of one model and the order of their copies (module doc)."""
 
-    def __init__(self, ops: Any, min_bytes: int = MIN_BYTES):
-        self.ops, self.min_bytes = ops, min_bytes
+    def __init__(self, ops: Any, min_bytes: int = MIN_BYTES, in_flight: int = IN_FLIGHT):
+        self.ops, self.min_bytes, self.in_flight = ops, min_bytes, in_flight
         self.stats = OffloadStats()
+        self._copies_out: collections.deque = collections.deque()  # each recent block's last copy-out event
         self._current: Optional[_Group] = None
         self._last: Optional[weakref.ref] = None
 
@@ -181,11 +187,15 @@ class Offloader:
         # the block forwarded just before, in the same pass (a lower index): the one backward reaches next
         group = _Group(index, weakref.ref(last) if last is not None and last.index < index else None)
         outer, self._current, self._last = self._current, group, weakref.ref(group)
+        while len(self._copies_out) >= self.in_flight:  # bound the device memory the copies out still hold
+            self.ops.wait_event(self.ops.current_stream(), self._copies_out.popleft())
         try:
             with torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack):
                 yield
         finally:
             self._current = outer
+            if group.last_d2h is not None:
+                self._copies_out.append(group.last_d2h)
 
     def _keep(self, t: torch.Tensor) -> bool:
         nbytes = t.numel() * t.element_size()
@@ -210,6 +220,7 @@ class Offloader:
         host = ops.to_host(t, side)
         ops.record_stream(t, side)  # t's memory is not reused before the copy has read it
         saved = _Saved(self._current, host, ops.record_event(side), t.device)
+        self._current.last_d2h = saved.d2h_done
         self._current.saved.append(weakref.ref(saved))
         self.stats.offloaded += 1
         self.stats.offloaded_bytes += t.numel() * t.element_size()
