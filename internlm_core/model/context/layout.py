@@ -181,7 +181,7 @@ def _global_documents(context: ContextGroup, local: torch.Tensor) -> torch.Tenso
 def _tokens(ranks: list[int], T: int, C: int, doc: torch.Tensor, doc_host: torch.Tensor) -> TokenSet:
     """The tokens of context ranks `ranks`, concatenated in that order (an all-to-all's gathered order)."""
     index = torch.cat([zigzag_indices(T, C, r) for r in ranks])
-    on_device = to_device(index, doc.device)  # pinned on CUDA: the host does not wait
+    on_device = torch.cat([zigzag_indices(T, C, r, doc.device) for r in ranks])  # made there: no copy to wait for
     return TokenSet(on_device, doc[:, on_device], index, doc_host[:, index])
 
 
@@ -196,7 +196,7 @@ def build_context_meta(context: ContextGroup, document_ids: Optional[torch.Tenso
     C, a = context.size, context.a2a_size
     T = local_len * C
     if document_ids is None:
-        document_ids = torch.zeros((batch, T), dtype=torch.int64)
+        document_ids = torch.zeros((batch, T), dtype=torch.int64, device="cpu")  # the host's, as the trainer's
     if tuple(document_ids.shape) not in ((batch, local_len), (batch, T)):
         raise ValueError(f"context parallel: document_ids must be the local chunk [{batch}, {local_len}] "
                          f"(B, T / {context.size}) or the whole rows [{batch}, {T}], got {list(document_ids.shape)}")

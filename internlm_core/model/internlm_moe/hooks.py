@@ -49,11 +49,11 @@ def _step_table(layers: list[tuple[str, MoEFeedForward]], group: Optional[dist.P
             rows.append(torch.zeros(E + 5, dtype=torch.float64, device=device))
             continue
         pairs = s.num_tokens * layer.args.top_k
-        made = dict(dtype=torch.float64, device=device)
-        scalars = [s.dropped_fraction.double() * pairs, torch.full((), pairs, **made), s.aux_loss.double(),
-                   s.z_loss.double(), torch.ones((), **made)]
+        scalars = [s.dropped_fraction.double() * pairs, torch.full((), pairs, dtype=torch.float64, device=device),
+                   s.aux_loss.double(), s.z_loss.double(), torch.ones((), dtype=torch.float64, device=device)]
         # on the device, no value read on the host per layer: the whole table reaches it with one copy
-        rows.append(torch.cat([s.tokens_per_expert.to(**made), torch.stack([v.to(device) for v in scalars])]))
+        rows.append(torch.cat([s.tokens_per_expert.to(device=device, dtype=torch.float64),
+                               torch.stack([v.to(device) for v in scalars])]))
     table = torch.stack(rows)
     if group is not None and dist.get_world_size(group) > 1:
         collectives.all_reduce(table, group=group)
