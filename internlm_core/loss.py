@@ -13,6 +13,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 
+from .fused_head import FusedHead
 from .numerics.kernels import CROSS_ENTROPY as KERNELS
 
 # Bytes of fp32 temporaries per chunk of the fused cross entropy. CPU: a chunk (rows * V * 4 bytes) stays in
@@ -195,6 +196,8 @@ class FlashGPTLMLoss(nn.Module):
         if kernel.startswith("fused_chunked") and self.label_smoothing:
             raise ValueError(f"cross entropy kernel {kernel!r} has no label smoothing; use 'torch' or 'flash'")
         self.kernel = kernel
+        self.fused_head: Optional[FusedHead] = None  # model.fused_head_loss: the loss applies the output layer
+        self.z_loss = 0.0  # the fused head's z-loss coefficient (z * logsumexp^2 per token)
         self._flash = None
         if kernel == "flash":
             from flash_attn.losses.cross_entropy import CrossEntropyLoss
@@ -219,6 +222,15 @@ class FlashGPTLMLoss(nn.Module):
         count = (labels != -100).sum().clamp(min=1)
         side = LossSide(token_losses.detach() if self.label_smoothing == 0 else None, predictions)
         return token_losses.sum() / count, side
+
+
+    def fused(self, hidden: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, LossSide]:
+        """The loss of the output layer's input `hidden` through `self.fused_head` (fused_head.py: the logits
+        never whole), with label smoothing and z-loss; the side results are the plain cross entropy and argmax."""
+        labels = labels.reshape(-1)
+        token_losses, ce, predictions = self.fused_head(hidden, labels, self.label_smoothing, self.z_loss)
+        count = (labels != -100).sum().clamp(min=1)
+        return token_losses.sum() / count, LossSide(ce, predictions)
 
 
 def _plain(t: torch.Tensor) -> torch.Tensor:

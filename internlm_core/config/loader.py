@@ -18,7 +18,7 @@ from ..errors import ConfigError
 from ..model.spec import get_model_spec
 from ..utils.redact import drop_redacted, redact_tree, register_tree
 from .ckpt_names import CKPT_TYPE_ALIASES, CKPT_TYPES, CONTENTS
-from .recompute import checkpoint_plan
+from .recompute import checkpoint_plan, fused_head_of
 from .compat import normalize
 from .context import check_context
 from .fault_tolerance import check_fault_tolerance
@@ -322,6 +322,7 @@ def _check_choices(cfg: Config) -> None:
         raise ConfigError(f"model.dtype: expected one of torch.float32, torch.tf32, torch.bfloat16, torch.float16, "
                           f"got {m.dtype!r}")
     checkpoint_plan(m.checkpoint)  # True, False, "full", "selective" or a fraction; ConfigError naming the key
+    fused_head_of(cfg)  # model.fused_head_loss: True, False or "auto"; True refused where it cannot run
     if cfg.adam.fused not in ("auto", "torch", "apex"):
         raise ConfigError(f"adam.fused: expected auto, torch or apex, got {cfg.adam.fused!r}")
     if m.attn_backend not in ("auto", "flash", "torch_varlen", "sdpa", "cpu_blocked"):

@@ -1,5 +1,5 @@
-"""The policy of `model.checkpoint` (activation checkpointing) as plain values; parallel/activation_checkpoint.py
-applies it, the estimator and the config checks read it."""
+"""Memory policies as plain values: `model.checkpoint` (activation checkpointing; parallel/activation_checkpoint.py
+applies it) and `model.fused_head_loss` (fused_head.py); the trainer, the estimator and the config checks read them."""
 
 from __future__ import annotations
 
@@ -23,3 +23,32 @@ def checkpoint_plan(setting: Union[bool, float, str], key: str = "model.checkpoi
     if isinstance(setting, (int, float)) and 0.0 <= float(setting) <= 1.0:
         return "full", float(setting)
     raise ConfigError(f"{key}: expected True, False, \"full\", \"selective\" or a fraction in [0, 1], got {setting!r}")
+
+
+# model.fused_head_loss = "auto": fused when one micro-batch's fp32 logits (tokens x vocab per rank) reach this
+AUTO_FUSED_HEAD_BYTES = 256 << 20
+
+
+def fused_head_enabled(setting: Union[bool, str], vocab: int, tokens: int, pipeline: int, tensor: int,
+                       sequence_parallel: bool) -> bool:
+    """Whether the output head and the loss are fused (model.fused_head_loss: True, False or "auto"; `vocab` and
+    `tokens` per rank and micro-batch). Not under pipeline parallel (the last stage's loss gets logits from torch's
+    schedule) nor under sequence parallel with tensor parallel (the head's input arrives sequence-sharded): True
+    is refused there in one line, "auto" is off."""
+    if setting not in (True, False, "auto"):
+        raise ConfigError(f"model.fused_head_loss: expected True, False or \"auto\", got {setting!r}")
+    blocked = "pipeline parallel" if pipeline > 1 else \
+        "sequence parallel" if sequence_parallel and tensor > 1 else None
+    if setting is True and blocked:
+        raise ConfigError(f"model.fused_head_loss: not under {blocked} (set it False or \"auto\")")
+    if setting == "auto":
+        return blocked is None and 4 * vocab * tokens >= AUTO_FUSED_HEAD_BYTES
+    return bool(setting)
+
+
+def fused_head_of(cfg) -> bool:
+    """`fused_head_enabled` of a Config."""
+    p, d = cfg.parallel, cfg.data
+    return fused_head_enabled(cfg.model.fused_head_loss, cfg.model.vocab_size // max(1, p.tensor),
+                              d.micro_bsz * d.seq_len // max(1, p.context.size), p.pipeline, p.tensor,
+                              p.sequence_parallel)

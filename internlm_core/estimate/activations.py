@@ -5,6 +5,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+import torch
+
+from ..fused_head import chunk_rows
 from ..model.counts import ActivationContext, Term
 from .figures import Layout
 from .terms import ModelFigures, per_device
@@ -38,7 +41,10 @@ def cross_entropy_terms(kernel: str, comp: int, vocab: Term, micro_num: int) -> 
 
     torch's (and vocab_parallel's) keeps the fp32 log-softmax (4V) and needs two more fp32 V-wide buffers (8V)
     in backward; the fused chunked kernel keeps its precomputed gradient (a*V), scaled in place (fp32 under a
-    factor other than 1: a new a*V); flash-attn's keeps nothing (its in-place backward overwrites the logits)."""
+    factor other than 1: a new a*V); flash-attn's keeps nothing (its in-place backward overwrites the logits); the
+    fused head (model.fused_head_loss) keeps each token's fp32 log-sum-exp, no logits."""
+    if kernel == "fused_head":
+        return Term("cross entropy", 4), Term("cross entropy backward", 0)
     fused = kernel.startswith("fused")
     kept = 0 if kernel == "flash" else comp * vocab.value if fused else 4 * vocab.value
     peak = 8 * vocab.value if kernel in ("torch", "vocab_parallel") else \
@@ -55,12 +61,25 @@ def fused_forward_chunks(kernel: str, vocab: float, tokens: int, device: str) ->
     return 2 * 4 * min(rows, tokens) * vocab
 
 
+def fused_head_transients(vocab: float, hidden: int, tokens: int, comp: int, weight_itemsize: int,
+                          device: str) -> float:
+    """The fused head's (fused_head.py) buffers besides what it keeps: two fp32 chunks of logits (forward: the
+    logits and their exponentials; backward: the recomputed logits turned gradient and its cast), the weight's
+    fp32 gradient accumulator (returned as it is for fp32 weights, else cast to the weight's dtype) and the weight
+    cast to the compute dtype where it differs; `vocab`: on one device."""
+    rows = chunk_rows(int(vocab), torch.device(device))
+    weight = vocab * hidden
+    cast = comp * weight if weight_itemsize != comp else 0
+    returned = weight_itemsize * weight if weight_itemsize != 4 else 0
+    return 2 * 4 * min(rows, tokens) * vocab + 4 * weight + returned + cast
+
+
 def token_bytes(figures: ModelFigures, args: Any, ctx: ActivationContext, lay: Layout, cross_entropy: str,
                 micro_num: int) -> TokenBytes:
     """The per-token figures of the family's counts under `lay` and the loss kernel `cross_entropy`."""
     c, s = figures.counts, lay.sizes
     vocab = c.logits(args)
-    logits = Term("logits", ctx.compute_bytes * vocab.value, vocab.shard)
+    logits = Term("logits", 0 if cross_entropy == "fused_head" else ctx.compute_bytes * vocab.value, vocab.shard)
     kept, peak = cross_entropy_terms(cross_entropy, ctx.compute_bytes, vocab, micro_num)
     return TokenBytes(
         block=per_device(c.block_activations(args, ctx), s),

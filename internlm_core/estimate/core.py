@@ -6,7 +6,7 @@ from dataclasses import dataclass
 from typing import Any, Optional
 
 from ..config import Config
-from ..config.recompute import checkpoint_plan
+from ..config.recompute import checkpoint_plan, fused_head_of
 from ..model import get_model_spec, model_args_from_config
 from ..model.counts import ActivationContext
 from ..numerics.kernels import (LINEAR, select_attention, select_cross_entropy, select_grad_reduce,
@@ -15,7 +15,7 @@ from ..numerics.precision import resolve_precision
 from ..utils import cpu_features
 from ..utils.accelerators import WORKING
 from ..utils.cpu_features import CpuFeatures
-from .activations import TokenBytes, fused_forward_chunks, stage_activations, token_bytes
+from .activations import TokenBytes, fused_forward_chunks, fused_head_transients, stage_activations, token_bytes
 from .communication import fsdp_communication
 from .figures import (DEFAULT_MFU, DEFAULT_PEAK_TFLOPS, GiB, PRECISIONS, Communication, Estimate, Layout,
                       cuda_runtime_bytes)
@@ -42,6 +42,8 @@ def choose_kernels(cfg: Config, lay: Layout, numerics: Any, device: str, attenti
         attention = select_attention(m.attn_backend, m.use_flash_attn, numerics, device, WORKING, [], {})
     cross_entropy = select_cross_entropy(device, cfg.loss.label_smoothing, lay.tp > 1 and m.parallel_output,
                                          m.compile, WORKING, [], {})
+    if fused_head_of(cfg):  # model.fused_head_loss: the head and the loss together, no logits
+        cross_entropy = "fused_head"
     if grad_reduce is None:
         grad_reduce = select_grad_reduce(lay.dp, lay.dp_shard, lay.pp, d.micro_num, [])
     if linear is None:
@@ -134,8 +136,11 @@ def estimate(cfg: Config, world_size: int = 1, precision: str = "internlm_core",
     tb = token_bytes(figures, args, ctx, lay, k.cross_entropy, d.micro_num)
     tokens = d.micro_bsz * d.seq_len // lay.cp
     vocab = figures.counts.logits(args)
-    c = stage_context(cfg, lay, figures, precision, comp, k, tb, fused_forward_chunks(
-        k.cross_entropy, vocab.value / divisor(vocab.shard, lay.sizes), tokens, device))
+    local_vocab = vocab.value / divisor(vocab.shard, lay.sizes)
+    weight_itemsize = comp if precision == "internlm_core" and comp == 2 and lay.dp > 1 else 4  # FSDP's gathers
+    c = stage_context(cfg, lay, figures, precision, comp, k, tb, fused_head_transients(
+        local_vocab, cfg.model.hidden_size, tokens, comp, weight_itemsize, device) if k.cross_entropy == "fused_head" else
+        fused_forward_chunks(k.cross_entropy, local_vocab, tokens, device))
     acts = stage_activations(tb, lay, c.layers, c.checkpointed, d.micro_num, tokens, cfg.model.offload_activations)
     mem = pick_stage(c, acts, tb.shared, pipeline_rank)
     if device == "cpu":

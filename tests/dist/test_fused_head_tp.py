@@ -1,0 +1,79 @@
+"""The fused output head + cross entropy under tensor parallel 2 (two gloo ranks; this file is also the driver
+each rank runs): the head weight a DTensor sharded by vocabulary rows (ColwiseParallel's layout, through
+FusedHead as the trainer uses it), the per-chunk max / sum of exponentials / label logit all-reduced over the
+tensor group. The loss, the metrics' cross entropy and argmax, the hidden states' gradient and each rank's rows of
+the weight's gradient equal the one-process unfused head (F.linear + cross entropy) to 1e-5 in fp32, with label
+smoothing and z-loss."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.helpers.launch import ROOT, env
+
+pytestmark = pytest.mark.slow
+
+
+def test_fused_head_tensor_parallel_2_equals_one_process():
+    from tests.helpers import warm
+    p = warm.run(str(ROOT / "tests/dist/test_fused_head_tp.py"), [], env(), ROOT, timeout=120, nproc=2)
+    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-3000:]
+    assert p.stdout.count(": ok") == 2, p.stdout
+
+
+def check(rank: int, smoothing: float, z: float) -> None:
+    import torch
+    import torch.nn as nn
+    import torch.nn.functional as F
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    import internlm_core.fused_head as fused_head
+    from internlm_core.fused_head import FusedHead
+
+    fused_head.CHUNK_BYTES["cpu"] = 4 * 50 * 6  # chunks of 6 rows of the 50 local columns
+    g = torch.Generator().manual_seed(0)  # the same on both ranks
+    n, h, vocab = 31, 16, 100
+    x = torch.randn(n, h, generator=g)
+    w = 0.5 * torch.randn(vocab, h, generator=g)
+    labels = torch.randint(0, vocab, (n,), generator=g)
+    labels[[2, 9]] = -100
+    labels[5], labels[6] = 10, 90  # one label in each rank's rows at least
+    valid = labels != -100
+
+    xr, wr = x.clone().requires_grad_(), w.clone().requires_grad_()
+    logits = F.linear(xr, wr)
+    lse = torch.logsumexp(logits, dim=-1)
+    ref = (F.cross_entropy(logits, labels, ignore_index=-100, reduction="none", label_smoothing=smoothing)
+           + z * lse * lse * valid).sum() / valid.sum()
+    ref.backward()
+
+    model = nn.Module()
+    model.output = nn.Linear(h, vocab, bias=False)
+    mesh = init_device_mesh("cpu", (2,))
+    model.output.weight = nn.Parameter(distribute_tensor(w.clone(), mesh, [Shard(0)]))
+    xf = x.clone().requires_grad_()
+    token_losses, ce, argmax = FusedHead(model)(xf, labels, smoothing, z)
+    loss = token_losses.sum() / valid.sum()
+    loss.backward()
+    tol = dict(atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(loss, ref.detach(), **tol)
+    torch.testing.assert_close(ce, F.cross_entropy(logits.detach(), labels, ignore_index=-100, reduction="none"), **tol)
+    assert torch.equal(argmax, logits.detach().argmax(dim=-1))
+    torch.testing.assert_close(xf.grad, xr.grad, **tol)
+    grad_w = model.output.weight.grad
+    assert grad_w.placements == (Shard(0),), grad_w.placements
+    torch.testing.assert_close(grad_w.to_local(), wr.grad[rank * 50:(rank + 1) * 50], **tol)
+
+
+def main() -> None:
+    import torch.distributed as dist
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    for smoothing, z in ((0.0, 0.0), (0.1, 1e-3)):
+        check(rank, smoothing, z)
+    print(f"rank {rank}: ok")
+
+
+if __name__ == "__main__":
+    main()
