@@ -37,6 +37,10 @@ model = dict(
     rope_base=1_000_000.0,  # a large rotary base: positions up to 128K stay distinguishable
     dtype="torch.bfloat16",
     checkpoint=True,  # at 16K tokens per rank, recomputing the blocks is what makes the activations fit
+    # ("selective" would keep every block's matmul outputs, ~50 GiB more at 16K tokens per rank: not here)
+    # the fused head drops 2.8 GiB of logits and what the loss keeps of them, but its backward's weight-gradient
+    # buffers make the estimated peak 14.8 GiB against 14.5: off (tools/estimate.py --gpus 64)
+    fused_head_loss=False,
     use_flash_attn=True,
 )
 
