@@ -9,7 +9,9 @@ the policy keeps are held by the checkpoint's cache, not saved tensors, and stay
 Kept on the device (counted in `OffloadStats.kept_*`): tensors smaller than MIN_BYTES (16 KiB: below it a copy's
 launch costs more than the memory it frees: masks, cu_seqlens, norms' statistics of short rows), parameters and views
 of them (nn.Parameter or a view whose `_base` is one: the weights a matmul saves are there anyway), and tensor
-subclasses (DTensor: tensor parallel is refused with the offload, `check_offload`).
+subclasses (DTensor: tensor parallel is refused with the offload, `check_offload`). A tensor one block's forward
+saves several times (the normed input of separate q, k, v projections) is copied once; one saved by several blocks
+(the rotary tables) is copied by each.
 
 The copies, on CUDA (`CudaOps`): pack records an event on the compute stream, the side stream waits for it and
 copies the tensor into a pinned host buffer with non_blocking=True, and `record_stream(side)` keeps the device
@@ -51,6 +53,11 @@ IN_FLIGHT = 2  # a block's forward starts after the copies out of the block IN_F
 def is_parameter(t: torch.Tensor) -> bool:
     """A parameter, or a view of one (a weight's transpose that a matmul saves)."""
     return isinstance(t, nn.Parameter) or isinstance(getattr(t, "_base", None), nn.Parameter)
+
+
+def _geometry(t: torch.Tensor) -> tuple:
+    """Where t's elements are: two live tensors with the same geometry read the same memory."""
+    return (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), tuple(t.stride()), t.dtype)
 
 
 def _span(t: torch.Tensor) -> int:
@@ -136,6 +143,8 @@ class OffloadStats:
     kept_small_bytes: int = 0
     kept_param_bytes: int = 0
     kept_subclass_bytes: int = 0
+    deduplicated: int = 0        # saves of a tensor the same block had already offloaded (one copy serves)
+    deduplicated_bytes: int = 0
     fetched_groups: int = 0
     prefetched_groups: int = 0
 
@@ -162,6 +171,7 @@ class _Group:
     fetched: bool = False   # its copies back started
     started: bool = False   # backward unpacked one of its tensors
     last_d2h: Any = None    # the event of its last copy out
+    seen: dict = field(default_factory=dict)  # during its forward: tensor geometry -> (weakref t, version, _Saved)
 
     def __hash__(self) -> int:
         return id(self)
@@ -194,6 +204,7 @@ class Offloader:
                 yield
         finally:
             self._current = outer
+            group.seen.clear()
             if group.last_d2h is not None:
                 self._copies_out.append(group.last_d2h)
 
@@ -214,6 +225,9 @@ class Offloader:
         self.stats.packs += 1
         if self._keep(t) or self._current is None:
             return t
+        again = self._again(t)
+        if again is not None:
+            return again
         ops = self.ops
         side = ops.side_stream()
         ops.wait_event(side, ops.record_event(ops.current_stream()))  # the copy starts after t is written
@@ -221,10 +235,20 @@ class Offloader:
         ops.record_stream(t, side)  # t's memory is not reused before the copy has read it
         saved = _Saved(self._current, host, ops.record_event(side), t.device)
         self._current.last_d2h = saved.d2h_done
+        self._current.seen[_geometry(t)] = (weakref.ref(t), t._version, saved)
         self._current.saved.append(weakref.ref(saved))
         self.stats.offloaded += 1
         self.stats.offloaded_bytes += t.numel() * t.element_size()
         return saved
+
+    def _again(self, t: torch.Tensor) -> Optional[_Saved]:
+        """The _Saved of t if this block's forward already offloaded t (the same live tensor, unmodified since)."""
+        hit = self._current.seen.get(_geometry(t))
+        if hit is None or hit[0]() is None or t._version != hit[1]:
+            return None
+        self.stats.deduplicated += 1
+        self.stats.deduplicated_bytes += t.numel() * t.element_size()
+        return hit[2]
 
     def unpack(self, packed: Any) -> torch.Tensor:
         """Backward: the device copy of a packed tensor, ready on the stream that asks for it."""

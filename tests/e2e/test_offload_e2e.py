@@ -1,6 +1,7 @@
 """model.offload_activations through train.py (issue 38 item 4): 3 steps of the tiny config give the losses and
-gradient norms of the run without it, bitwise (fp32), in one process and under 2 pipeline stages (the stages'
-backward unpacks what each stage's blocks offloaded)."""
+gradient norms of the run without it, bitwise (fp32), in one process, under FSDP over 2 ranks (its gathered
+weights are parameters: kept) and under 2 pipeline stages (the stages' backward unpacks what each stage's blocks
+offloaded)."""
 
 import pytest
 
@@ -28,3 +29,7 @@ def test_offload_equals_no_offload(tmp_path, checkpoint):
 def test_offload_under_two_pipeline_stages(tmp_path):
     extra = ("parallel.pipeline=2", "model.num_layers=4")
     assert _run(tmp_path, True, *extra, nproc=2) == _run(tmp_path, False, *extra, nproc=2)
+
+
+def test_offload_under_fsdp_two_ranks(tmp_path):
+    assert _run(tmp_path, True, nproc=2) == _run(tmp_path, False, nproc=2)

@@ -88,11 +88,13 @@ def test_every_large_saved_tensor_is_moved():
     counter = offloader.pack = _Counter(offloader.pack)
     _grads(model)
     s = offloader.stats
-    assert counter.host == s.offloaded > 0 and s.packs == s.offloaded + len(counter.device_bytes)
+    assert counter.host == s.offloaded + s.deduplicated and s.offloaded > 0
+    assert s.packs == counter.host + len(counter.device_bytes)
     # nothing above the threshold stays on the device but the parameters (and their views)
     assert sum(b for b, param in counter.device_bytes if b >= MIN_BYTES and not param) == 0
     assert s.kept_subclass_bytes == 0
-    assert _saved_bytes_of_blocks(_model(state)[0]) == (s.offloaded_bytes + s.kept_small_bytes + s.kept_param_bytes)
+    assert _saved_bytes_of_blocks(_model(state)[0]) == (s.offloaded_bytes + s.deduplicated_bytes
+                                                        + s.kept_small_bytes + s.kept_param_bytes)
     assert s.offloaded_bytes > 10 * s.kept_small_bytes  # the activations, not the bookkeeping, are what moves
     assert s.unpacks == s.packs  # every saved tensor came back once
 
@@ -217,3 +219,19 @@ def test_compiled_blocks_bitwise_equal_with_offload():
     ref, _ = grads(False)
     got, offloader = grads(True)
     assert offloader.stats.offloaded > 0 and all(torch.equal(a, b) for a, b in zip(got, ref))
+
+
+def test_a_tensor_saved_twice_in_one_block_is_copied_once():
+    ops = _Recorder()
+    off = Offloader(ops, min_bytes=16)
+    x = torch.randn(4, 8, requires_grad=True)
+    w1, w2 = torch.randn(8, 8, requires_grad=True), torch.randn(8, 8, requires_grad=True)
+    with off.block(0):
+        h = x.sin()
+        out = (h @ w1).sum() + (h @ w2).sum()  # both matmuls save h (and their weights, small here)
+    assert off.stats.deduplicated == 1 and ops.log.count(("d2h", "side")) == off.stats.offloaded
+    out.backward()
+    grad, x.grad = x.grad, None
+    h = x.sin()
+    ((h @ w1).sum() + (h @ w2).sum()).backward()  # without the hooks
+    assert torch.equal(grad, x.grad)
