@@ -13,7 +13,9 @@
 # micro_num 2 under torch.cuda.set_sync_debug_mode("warn") (no host sync inside the micro-batch loop); one async
 # save and resume on CUDA; the CUDA allocator's peak (allocated, reserved) beside estimate(device="cuda");
 # configs/bench_gpu.py's tokens/s and MFU, eager and compiled, beside the estimator's predicted ones
-# (bench/gpu_rows_speed.py); `train.py --simulate 8 --simulate-device cuda` for rank 0 of 7B; the kernel choice and the loss kernels; then
+# (bench/gpu_rows_speed.py); `train.py --simulate 8 --simulate-device cuda` for rank 0 of 7B; the device peak and
+# step time with model.offload_activations against without (bench/gpu_rows_offload.py); the kernel choice and the
+# loss kernels; then
 # (bench/gpu_rows_numerics.py) the context-parallel attention fed fp32 q/k and a bf16 v, one MoE micro-batch through
 # the grouped GEMM under set_sync_debug_mode (its host syncs counted and located), the norms' output dtype under CUDA
 # autocast, and the torch API scan test (tests/unit/test_torch_api*.py, pytest -q).
