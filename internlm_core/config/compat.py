@@ -95,7 +95,10 @@ _COMPAT: dict[tuple[str, str], Rule] = {
     ("parallel", "zero1.fsdp"): (None, "sharding is always FSDP2 when parallel.zero1 != 1"),
     ("parallel", "pipeline.interleaved_overlap"): (None, "torch.distributed.pipelining schedules communication"),
     ("parallel", "pipeline.mode"): (None, "the schedule is 1F1B (interleaved with model.num_chunks > 1)"),
-    ("parallel", "pipeline.zero_bubble"): (None, "the schedule is 1F1B (interleaved with model.num_chunks > 1)"),
+    ("parallel", "pipeline.zero_bubble"): (lambda v: not v, "zero-bubble pipeline schedules are not implemented: "
+                                           "the schedule would be plain 1F1B (torch's ScheduleZBVZeroBubble is not "
+                                           "wired in; with compiled blocks its split backward gives wrong weight "
+                                           "gradients, issue 38); set it False"),
     ("parallel", "tensor.overlap"): (None, "communication overlap is the compiler's and NCCL's"),
     ("parallel", "tensor.intern_overlap"): (None, "communication overlap is the compiler's and NCCL's"),
     ("parallel", "tensor.memory_pool"): (None, "the caching allocator"),

@@ -254,3 +254,17 @@ def test_internlm_types_by_whole_path_and_validation_names(tmp_path):
     assert sorted(valid) == ["news", "wiki"]  # InternLM: each folder holding .bin files, by its own name
     tokens = sum(int((b["labels"] != -100).sum()) for b in valid["wiki"])
     assert tokens == 3 * 1  # three 2-token documents, one prediction each, despite min_length=50
+
+
+def test_zero_bubble_is_refused_not_turned_into_1f1b():
+    """InternEvo's pipeline.zero_bubble=True was silently trained as plain 1F1B (issue 38 item 1): refused in one
+    line naming why (also with model.compile, whose compiled blocks make torch's split backward wrong); False loads."""
+    why = ("config: parallel.pipeline.zero_bubble=True: zero-bubble pipeline schedules are not implemented: the schedule "
+           "would be plain 1F1B (torch's ScheduleZBVZeroBubble is not wired in; with compiled blocks its split "
+           "backward gives wrong weight gradients, issue 38); set it False")
+    for model in ({}, {"compile": True}):
+        with pytest.raises(ConfigError) as err:
+            build_config({"model": model, "parallel": {"pipeline": {"size": 1, "zero_bubble": True}}})
+        assert str(err.value) == why
+    cfg = build_config({"parallel": {"pipeline": {"size": 1, "zero_bubble": False}}})
+    assert "parallel.pipeline.zero_bubble" in compat_lines(cfg)[0]
