@@ -174,13 +174,11 @@ class Trainer:
             with self.autocast():
                 fire("on_before_forward", view)
                 with hook.phase("fwd"):
-                    fused = self.loss_fn.fused_head  # model.fused_head_loss: the model stops before its output layer
-                    with fused.deferred() if fused is not None else contextlib.nullcontext():
-                        logits = self._forward(mb)  # (then the head's input: the loss applies the head)
+                    logits = self._forward(mb)
                 fire("on_after_forward", view)
                 fire("on_before_criterion", view)
                 with hook.phase("cal_loss"):
-                    loss, side = (self.loss_fn if fused is None else self.loss_fn.fused)(logits, mb["labels"])
+                    loss, side = self.loss_fn(logits, mb["labels"])
                 loss = norm.weighted(loss, mb.get("loss_share"))  # context parallel: the chunk's part of the mean
                 fire("on_after_criterion", view)
             logits = logits.detach()
@@ -265,7 +263,7 @@ class Trainer:
         """The mean loss over the global batch: averaged over data-parallel ranks (context ranks hold parts of it,
         summed); under pipeline parallel only the last stage holds it (the others contribute 0 to the sum over
         "pp_dp")."""
-        if self.dims.dp_cp * self.dims.pp > 1:
+        if self.dims.pp_dp > 1:
             loss = loss.clone()
             collectives.all_reduce(loss, op=dist.ReduceOp.SUM, group=self.dims.group("pp_dp"))
             loss = LossNormalizer(self.loop.micro_num, self.dims.dp, self.dims.cp).global_loss(loss)
