@@ -174,11 +174,13 @@ class Trainer:
             with self.autocast():
                 fire("on_before_forward", view)
                 with hook.phase("fwd"):
-                    logits = self._forward(mb)
+                    fused = self.loss_fn.fused_head  # model.fused_head_loss: the model stops before its output layer
+                    with fused.deferred() if fused is not None else contextlib.nullcontext():
+                        logits = self._forward(mb)  # (then the head's input: the loss applies the head)
                 fire("on_after_forward", view)
                 fire("on_before_criterion", view)
                 with hook.phase("cal_loss"):
-                    loss, side = self.loss_fn(logits, mb["labels"])
+                    loss, side = (self.loss_fn if fused is None else self.loss_fn.fused)(logits, mb["labels"])
                 loss = norm.weighted(loss, mb.get("loss_share"))  # context parallel: the chunk's part of the mean
                 fire("on_after_criterion", view)
             logits = logits.detach()
