@@ -18,6 +18,7 @@ from typing import Any, Optional
 import torch
 
 from ..config import Config, dump_yaml
+from ..config.fp8 import fp8_plan
 from ..config.loader import compat_lines, config_to_dict
 from ..config.recompute import fused_head_of
 from ..distributed import LaunchInfo, ParallelDims, set_deterministic, set_seed
@@ -33,6 +34,7 @@ from ..numerics import Kernels, Precision, resolve_precision, select_kernels
 from ..optim import Beta2Scheduler, DynamicGradScaler, WarmupCosineLR, WarmupStableDecayLR, build_optimizer
 from ..parallel import CommCounter, family_dims, fsdp_wraps, parallel_options, parallelize_model
 from ..parallel.context import ContextCut
+from ..parallel.float8 import check_fp8_layout, convert_to_fp8
 from ..utils import collectives
 from ..utils.logging import get_logger
 from ..utils.memory import keep_freed_cpu_memory, return_large_freed_cpu_memory, trainable_parameter_bytes
@@ -290,6 +292,10 @@ def build_parallel_model(inputs: ModelInputs, cfg: Config, dims: ParallelDims, l
     holds the whole model), by the family's plan."""
     model = build_model(inputs, "meta", attn_backend=kernels.attention)
     n_params = count_parameters(model)
+    fp8 = fp8_plan(cfg.model.fp8)
+    if fp8 is not None:  # float8 linears before tensor parallel, checkpointing, compile and FSDP wrap them
+        check_fp8_layout(fp8, dims.tp, launch.backend)
+        convert_to_fp8(model, model_spec(inputs).plan.blocks(model), fp8)
     model, pipeline = parallelize_model(model, model_spec(inputs), parallel_options(cfg), dims, launch.device,
                                         seed=seed, precision=precision, grad_reduce=kernels.grad_reduce)
     args = model_args(inputs, launch.device.type, attn_backend=kernels.attention)

@@ -1,0 +1,89 @@
+"""`model.fp8`: swap a model's linear layers for torchao's Float8Linear, before tensor parallel, checkpointing,
+compile and FSDP wrap it (as torchtitan converts before parallelizing).
+
+torchao is imported only here and only when `model.fp8` is on; a config asking for it where it is not installed is
+refused in one line. The project's `Linear` (model/layers.py) is an nn.Linear subclass, so torchao's
+`convert_to_float8_training` recognizes it; the swapped Float8Linear keeps the names `weight` / `bias`, so the
+initialization (model/init.py, by name) and the checkpoints are those of the bf16 model. Which layers stay in
+high precision is config/fp8.py's rule (`skip_reason`). With dynamic scaling (every recipe torchao names) the scales
+are recomputed from each step's tensors: a float8 model has no state beyond its parameters, and its checkpoint is
+the bf16 model's.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Iterable, Optional
+
+import torch.nn as nn
+
+from ..config.fp8 import Fp8Plan
+from ..errors import ConfigError
+from ..utils.logging import get_logger
+
+__all__ = ["convert_to_fp8", "skip_reason", "check_fp8_layout"]
+
+logger = get_logger(__name__)
+_ROUTING = ("gate", "router", "coefficient")
+
+
+def skip_reason(name: str, module: nn.Linear, in_blocks: bool, plan: Fp8Plan) -> Optional[str]:
+    """Why linear `name` stays in high precision (None: it is converted), by config/fp8.py's written rule."""
+    if not in_blocks:
+        return "outside the transformer blocks (output head)"
+    if name.rsplit(".", 1)[-1] in _ROUTING:
+        return "MoE routing"
+    if any(s in name for s in plan.filter_fqns):
+        return "model.fp8.filter_fqns"
+    dims = (module.in_features, module.out_features)
+    if any(d % 16 for d in dims):
+        return f"features {dims} not multiples of 16"
+    if min(dims) < plan.min_features:
+        return f"features {dims} below min_features {plan.min_features}"
+    return None
+
+
+def _torchao_float8() -> Any:
+    try:
+        import torchao.float8 as ao_float8
+    except ImportError as e:
+        raise ConfigError(f"model.fp8: needs torchao (pip install torchao), which does not import here: {e}") from e
+    return ao_float8
+
+
+def check_fp8_layout(plan: Fp8Plan, tensor: int, backend: Optional[str]) -> None:
+    """Refuse, in one line, the layouts float8 training does not (yet) compose with here."""
+    if tensor > 1:
+        raise ConfigError("model.fp8: not with parallel.tensor > 1 yet (the float8 tensor-parallel styles and their "
+                          "amax reductions are not wired)")
+    if plan.fsdp_float8_all_gather and backend == "gloo":
+        raise ConfigError("model.fp8.enable_fsdp_float8_all_gather: gloo cannot all-gather float8 tensors "
+                          "(\"Invalid scalar type\"); use nccl or leave it False")
+
+
+def convert_to_fp8(model: nn.Module, blocks: Iterable[nn.Module], plan: Fp8Plan) -> dict[str, str]:
+    """Swap the linears of `model` that the rule keeps in float8 for torchao's Float8Linear (in place, on any
+    device, the meta device included; `blocks`: the family plan's transformer blocks). Logs the recipe, the count
+    and the skipped layers once; returns {skipped name: reason}."""
+    ao_float8 = _torchao_float8()
+    config = ao_float8.Float8LinearConfig.from_recipe_name(plan.recipe)
+    if plan.fsdp_float8_all_gather:
+        import dataclasses
+        config = dataclasses.replace(config, enable_fsdp_float8_all_gather=True)
+    in_blocks = {id(m) for b in blocks for m in b.modules()}
+    skipped: dict[str, str] = {}
+    converted: list[str] = []
+
+    def keep_float8(module: nn.Module, fqn: str) -> bool:
+        reason = skip_reason(fqn, module, id(module) in in_blocks, plan)
+        if reason is None:
+            converted.append(fqn)
+        else:
+            skipped[fqn] = reason
+        return reason is None
+
+    ao_float8.convert_to_float8_training(model, config=config, module_filter_fn=keep_float8)
+    logger.info(f"model.fp8: recipe {plan.recipe}, {len(converted)} linear layers in float8"
+                + (", float8 FSDP all-gather" if plan.fsdp_float8_all_gather else "")
+                + (f"; kept in high precision: {'; '.join(f'{k} ({v})' for k, v in skipped.items())}"
+                   if skipped else ""))
+    return skipped
