@@ -173,3 +173,19 @@ def test_trainer_converts_before_sharding_and_resumes_bitwise(tmp_path, caplog):
     resumed.train()
     for (name, a), b in zip(straight.model.named_parameters(), resumed.model.parameters()):
         assert torch.equal(a, b), name
+
+
+@pytest.mark.parametrize("policy", ["full", "selective"])
+def test_activation_checkpointing_recomputes_the_same_float8_numbers(tmp_path, policy, caplog):
+    """Dynamic scales are recomputed from the same tensors in the recompute: checkpointed float8 training is bitwise
+    the plain float8 training."""
+    from tests.unit.test_checkpoint import build
+
+    plain = build(tmp_path, "plain", 3, "model.fp8=tensorwise", ckpt=tmp_path / "c1")
+    plain.train()
+    with caplog.at_level(logging.INFO, logger="internlm_core.parallel"):
+        ckpt = build(tmp_path, "ckpt", 3, "model.fp8=tensorwise", f"model.checkpoint={policy}", ckpt=tmp_path / "c2")
+    assert any("activation checkpointing on 2 of 2 blocks" in r.getMessage() for r in caplog.records)
+    ckpt.train()
+    for (name, a), b in zip(plain.model.named_parameters(), ckpt.model.parameters()):
+        assert torch.equal(a, b), name
