@@ -9,7 +9,8 @@ the policy keeps are held by the checkpoint's cache, not saved tensors, and stay
 Kept on the device (counted in `OffloadStats.kept_*`): tensors smaller than MIN_BYTES (16 KiB: below it a copy's
 launch costs more than the memory it frees: masks, cu_seqlens, norms' statistics of short rows), parameters and views
 of them (nn.Parameter or a view whose `_base` is one: the weights a matmul saves are there anyway), and tensor
-subclasses (DTensor: tensor parallel is refused with the offload, `check_offload`). A tensor one block's forward
+subclasses (DTensor: tensor parallel's matmuls save DTensor inputs, so the offload would move only part of a block
+under it and is refused there, `check_offload`). A tensor one block's forward
 saves several times (the normed input of separate q, k, v projections) is copied once; one saved by several blocks
 (the rotary tables) is copied by each.
 
@@ -309,5 +310,5 @@ def check_offload(offload: bool, tensor: int, pipeline: int, compile: bool) -> N
     if not offload:
         return
     if tensor > 1:
-        raise ConfigError("model.offload_activations: not with parallel.tensor > 1 (tensor parallel saves DTensors, "
-                          "which the offload keeps on the device: it would move nothing)")
+        raise ConfigError("model.offload_activations: not with parallel.tensor > 1 (its matmuls save DTensor inputs, "
+                          "which the offload does not move: only the elementwise ops' tensors would go)")
