@@ -189,3 +189,28 @@ def test_activation_checkpointing_recomputes_the_same_float8_numbers(tmp_path, p
     ckpt.train()
     for (name, a), b in zip(plain.model.named_parameters(), ckpt.model.parameters()):
         assert torch.equal(a, b), name
+
+
+def test_moe_routing_and_grouped_experts_stay_in_high_precision():
+    """INTERNLM_MoE with a residual MLP: the router (a module holding a Parameter, not a linear) and the grouped experts (3-D
+    Parameters) are never touched, the residual coefficient is skipped by name; attention and the dense residual
+    MLP go to float8; forward and backward run."""
+    from internlm_core.model import model_spec
+
+    cfg = small_cfg("INTERNLM_MoE", hidden_size=128, num_attention_heads=4, multiple_of=16, num_experts=4,
+                    moe_use_residual=True)
+    torch.manual_seed(0)
+    model = build_model(cfg)
+    skipped = convert_to_fp8(model, model_spec(cfg.model_inputs()).plan.blocks(model), Fp8Plan("tensorwise"))
+    assert skipped == {"layers.0.feed_forward.coefficient": "MoE routing",
+                       "layers.1.feed_forward.coefficient": "MoE routing",
+                       "output": "outside the transformer blocks (output head)"}
+    converted = {n for n, m in model.named_modules() if isinstance(m, Float8Linear)}
+    assert converted == {f"layers.{i}.{s}" for i in (0, 1) for s in
+                         ("attention.wq", "attention.wk", "attention.wv", "attention.wo",
+                          "feed_forward.shared_experts.w1", "feed_forward.shared_experts.w2",
+                          "feed_forward.shared_experts.w3")}
+    out = model(torch.randint(0, 97, (2, 32)))
+    (out[0] if isinstance(out, tuple) else out).float().pow(2).mean().backward()
+    experts = model.layers["0"].feed_forward.experts.w1
+    assert experts.dim() == 3 and torch.isfinite(experts.grad).all() and experts.grad.abs().sum() > 0
