@@ -61,7 +61,7 @@ def test_wrong_type_names_key_value_and_type():
     with pytest.raises(ConfigError) as e:
         load_config(SEVEN_B, ["data.seq_len='abc'"])
     assert str(e.value) == "configs/7B.py: data.seq_len: expected int, got 'abc'"
-    with pytest.raises(ConfigError, match=r"model.checkpoint: expected bool or float, got 'yes'"):
+    with pytest.raises(ConfigError, match=r"model.checkpoint: expected True, False, \"full\", \"selective\" or a fraction in \[0, 1\], got 'yes'"):
         build_config({"model": {"checkpoint": "yes"}})
 
 
