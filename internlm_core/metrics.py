@@ -55,8 +55,9 @@ class AccPerplex:
         sums.index_add_(1, types, stats.double())
         self._sums = sums if self._sums is None else self._sums + sums
 
-    def get_metric(self, reset: bool = True) -> dict[str, float]:
-        """{"acc", "ppl", "tokens", "loss_from_metric", "acc/{type}", "loss/{type}", "ppl/{type}"} summed over ranks."""
+    def reduced_sums(self) -> torch.Tensor:
+        """The [3, max_types] float64 sums (right, tokens, loss per type) summed over the group, on the device (no
+        host read; `get_metric(sums=...)` turns them, read on the host, into the metrics)."""
         shared = self.process_group is not None and collectives.dist_ready()
         if self._sums is None:  # no micro-batch here (a pipeline stage without outputs): zeros, on the group's device
             sums = torch.zeros(3, self.max_types, dtype=torch.float64,
@@ -65,7 +66,12 @@ class AccPerplex:
             sums = self._sums.clone() if shared else self._sums
         if shared:
             collectives.all_reduce(sums, group=self.process_group)
-        sums = sums.cpu()
+        return sums
+
+    def get_metric(self, reset: bool = True, sums: Optional[torch.Tensor] = None) -> dict[str, float]:
+        """{"acc", "ppl", "tokens", "loss_from_metric", "acc/{type}", "loss/{type}", "ppl/{type}"} summed over ranks;
+        from `sums` when given (`reduced_sums()` already read on the host), else reduced and read here."""
+        sums = (self.reduced_sums() if sums is None else sums).cpu()
         right, tokens, loss = sums[0], sums[1], sums[2]
         total = tokens.sum().item()
         out = {"tokens": total}

@@ -93,6 +93,7 @@ class StopController:
         self._file_value = 0
         self._announced: Optional[int] = None
         self._signal_announced = False
+        self._agreed: Optional[tuple[int, int, int]] = None  # `agree`: what the next poll decides from
         if self.stop_file_path is not None and rank == 0 and reset_file:
             self.stop_file_path.parent.mkdir(parents=True, exist_ok=True)
             self.stop_file_path.write_text("0", encoding="utf-8")
@@ -142,16 +143,31 @@ class StopController:
         return self._file_value
 
     # -- the decision ----------------------------------------------------------------------------------
+    def sample(self) -> tuple[int, int]:
+        """This rank's part of a stop request: (the stop file's value on rank 0, a placeholder elsewhere; the signal
+        received, 0 if none). A caller that agrees on it itself (the trainer, within its step's one host read,
+        trainer/readout.py) maxes it over the group and hands the result to `agree` for the next `poll`."""
+        return (self._read_file() if self.rank == 0 else _NO_VALUE), self.signal_received or 0
+
+    def agree(self, local_signal: int, file_value: int, sig: int) -> None:
+        """What the next `poll` decides from, instead of sampling and agreeing itself: this rank's sampled signal,
+        the file value and the signal maxed over the group (`sample`)."""
+        self._agreed = (local_signal, file_value, sig)
+
     def poll(self, step: int) -> StopDecision:
-        """The decision after `step`; a collective (every rank calls it at every step) when a group exists."""
-        local_signal = self.signal_received or 0
-        file_value = self._read_file() if self.rank == 0 else _NO_VALUE
-        sig = local_signal
-        if collectives.dist_ready():
-            t = torch.tensor([file_value, local_signal], dtype=torch.int64,
-                             device=collectives.group_device(self.group))
-            collectives.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group)
-            file_value, sig = (int(v) for v in t.tolist())
+        """The decision after `step`; a collective (every rank calls it at every step) when a group exists, unless
+        the caller agreed on the request already (`agree`)."""
+        agreed, self._agreed = self._agreed, None
+        if agreed is not None:
+            local_signal, file_value, sig = agreed
+        else:
+            file_value, local_signal = self.sample()
+            sig = local_signal
+            if collectives.dist_ready():
+                t = torch.tensor([file_value, local_signal], dtype=torch.int64,
+                                 device=collectives.group_device(self.group))
+                collectives.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group)
+                file_value, sig = (int(v) for v in t.tolist())
         if file_value == _NO_VALUE:
             file_value = 0
 

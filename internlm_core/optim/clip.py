@@ -47,17 +47,33 @@ def global_grad_norm(params: Iterable[torch.nn.Parameter], pp_group: Optional[di
 
 
 @torch.no_grad()
-def clip_and_check(params: list[torch.nn.Parameter], max_norm: float, inv_scale: float = 1.0,
-                   pp_group: Optional[dist.ProcessGroup] = None) -> tuple[float, bool]:
-    """Unscale (fp16), compute the global norm, clip to `max_norm` (<=0: no clip). Returns (norm, finite)."""
+def unscale_and_norm(params: list[torch.nn.Parameter], inv_scale: float = 1.0,
+                     pp_group: Optional[dist.ProcessGroup] = None) -> torch.Tensor:
+    """Unscale the gradients (fp16: `inv_scale`) and return their global norm as a device tensor (no host read:
+    the trainer reads it with the rest of its step, trainer/readout.py)."""
     if inv_scale != 1.0:
         for p in params:
             if p.grad is not None:
                 p.grad.mul_(inv_scale)
-    norm = global_grad_norm(params, pp_group)
-    value = norm.item()
-    finite = math.isfinite(value)
-    if finite and max_norm > 0:
+    return global_grad_norm(params, pp_group)
+
+
+@torch.no_grad()
+def clip_to_norm(params: list[torch.nn.Parameter], max_norm: float, norm: torch.Tensor) -> None:
+    """Clip the gradients to `max_norm` (<=0: no clip) given their finite global `norm` (a device tensor)."""
+    if max_norm > 0:
         for group in _by_mesh([p for p in params if p.grad is not None], lambda p: p.grad).values():
             torch.nn.utils.clip_grads_with_norm_(group, max_norm, norm.to(group[0].grad.device), foreach=True)
+
+
+@torch.no_grad()
+def clip_and_check(params: list[torch.nn.Parameter], max_norm: float, inv_scale: float = 1.0,
+                   pp_group: Optional[dist.ProcessGroup] = None) -> tuple[float, bool]:
+    """Unscale (fp16), compute the global norm, clip to `max_norm` (<=0: no clip). Returns (norm, finite); reads
+    the norm on the host (one sync)."""
+    norm = unscale_and_norm(params, inv_scale, pp_group)
+    value = norm.item()
+    finite = math.isfinite(value)
+    if finite:
+        clip_to_norm(params, max_norm, norm)
     return value, finite

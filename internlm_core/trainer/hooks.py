@@ -36,10 +36,11 @@ class SchedulerMetricHook:
         """One training micro-batch's outputs into the step's metric."""
         self.metric.update(logits, labels, type_ids, token_losses, predictions)
 
-    def step_metrics(self, tokens_per_type: dict) -> dict:
+    def step_metrics(self, tokens_per_type: dict, sums: Optional[torch.Tensor] = None) -> dict:
         """The step's record from the instruments: training acc/ppl (per type), `tokens/<type>` (all ranks' tokens
-        of each type so far, as given) and the phase times `time/<phase>` (the timers are reset)."""
-        m = self.metric.get_metric()
+        of each type so far, as given) and the phase times `time/<phase>` (the timers are reset); `sums`: the
+        metric's reduced sums already read on the host (the step's one read, trainer/readout.py)."""
+        m = self.metric.get_metric(sums=sums)
         out = {k: v for k, v in m.items() if k in ("acc", "ppl") or k.startswith("acc/")}
         out.update({f"tokens/{k}": v for k, v in tokens_per_type.items()})
         out.update({f"time/{k}": v for k, v in self.timers.pop().items()})

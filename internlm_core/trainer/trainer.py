@@ -22,7 +22,7 @@ from ..loss_norm import LossNormalizer
 from ..metrics import AccPerplex, Throughput
 from ..model import TrainingHooks
 from ..numerics import Kernels, Precision
-from ..optim import Beta2Scheduler, DynamicGradScaler, WarmupCosineLR, clip_and_check
+from ..optim import Beta2Scheduler, DynamicGradScaler, WarmupCosineLR, clip_to_norm, unscale_and_norm
 from ..utils import collectives
 from ..utils.logging import get_logger
 from ..utils.timer import Timers
@@ -39,6 +39,7 @@ from ..parallel.context import ROW_KEYS, ContextCut
 from . import replicated
 from .hooks import SchedulerMetricHook
 from .parts import LoopConfig, TrainLoader
+from .readout import StepValues, read_step
 from .state import BatchSkipper, TrainState
 from .validation import eval_outputs, validation_metrics
 
@@ -236,40 +237,39 @@ class Trainer:
         return norm.rank_loss(total)
 
     def optimizer_step(self) -> tuple[bool, float]:
-        """Clip and step; skip the update (and count it) when the gradient is inf/nan."""
-        params = [p for p in self.model.parameters() if p.requires_grad]
-        inv = 1.0 / self.grad_scaler.scale if self.grad_scaler is not None else 1.0
-        grad_norm, finite = clip_and_check(params, self.loop.clip_grad_norm, inv,
-                                           pp_group=self.dims.group("pp") if self.dims.pp > 1 else None)
-        finite = self._all_finite(finite) or self.loop.simulated
+        """`step` of the gradients alone (no loss, no metrics): (whether it stepped, the global gradient norm)."""
+        success, v = self.step(torch.zeros((), device=self.device), metric=False)
+        return success, v.grad_norm
+
+    def step(self, loss: torch.Tensor, metric: bool = True) -> tuple[bool, StepValues]:
+        """Clip and step, or skip (inf/nan on any rank) as the step's one host read says (readout.py: the global
+        `loss`, the norm, the metric sums, the stop request). Returns (stepped, values)."""
+        params, scaler = [p for p in self.model.parameters() if p.requires_grad], self.grad_scaler
+        norm = unscale_and_norm(params, 1.0 / scaler.scale if scaler is not None else 1.0,
+                                pp_group=self.dims.group("pp") if self.dims.pp > 1 else None)
+        sums = self.train_metric.reduced_sums() if metric else None
+        v = read_step(self._reduce_loss(loss, read=False), norm, self.stopper, self.device, self.world_size > 1, sums)
+        finite = v.finite or self.loop.simulated
         if self.grad_scaler is not None:
             self.grad_scaler.update(not finite)
         if finite:
+            clip_to_norm(params, self.loop.clip_grad_norm if v.finite else 0.0, norm)  # simulated: no clip of inf/nan
             self.optimizer.step()
             self.family.after_step(self.model, self.dims.group("dp_cp") if self.dims.dp_cp > 1 else None)
             self.lr_scheduler.step()
             self.beta2_scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
-        return finite, grad_norm
+        return finite, v
 
-    def _all_finite(self, finite: bool) -> bool:
-        """Every rank takes the same decision: skip when the gradient is inf/nan on any of them (a replicated
-        parameter's gradient is not reduced across tensor-parallel ranks, so one rank alone may see it)."""
-        if self.world_size == 1 or not dist.is_initialized():
-            return finite
-        flag = torch.tensor([0.0 if finite else 1.0], device=self.device)
-        collectives.all_reduce(flag, op=dist.ReduceOp.MAX)
-        return flag.item() == 0.0
-
-    def _reduce_loss(self, loss: torch.Tensor) -> float:
+    def _reduce_loss(self, loss: torch.Tensor, read: bool = True) -> float | torch.Tensor:
         """The mean loss over the global batch: averaged over data-parallel ranks (context ranks hold parts of it,
         summed); under pipeline parallel only the last stage holds it (the others contribute 0 to the sum over
-        "pp_dp")."""
+        "pp_dp"). A float, or with `read=False` a device scalar (no host read)."""
         if self.dims.pp_dp > 1:
             loss = loss.clone()
             collectives.all_reduce(loss, op=dist.ReduceOp.SUM, group=self.dims.group("pp_dp"))
             loss = LossNormalizer(self.loop.micro_num, self.dims.dp, self.dims.cp).global_loss(loss)
-        return loss.item()
+        return loss.item() if read else loss
 
     # ---- the loop --------------------------------------------------------------------------------
 
@@ -289,26 +289,25 @@ class Trainer:
             if self.replicas is not None and not replicated.commit(self.replicas, self.model, self.optimizer,
                                                                    st.batch_count):
                 return None
-            success, grad_norm = self.optimizer_step()
+            success, v = self.step(loss)
         if success:
             st.step_count += 1
         else:
             st.inf_nan_skip_batches += 1
-            logger.warning(f"step {st.batch_count}: gradient norm is {grad_norm}; update skipped "
+            logger.warning(f"step {st.batch_count}: gradient norm is {v.grad_norm}; update skipped "
                            f"({st.inf_nan_skip_batches} skipped so far)")
-        loss_value = self._reduce_loss(loss)
         self._step_end = time.perf_counter()
         elapsed = self._step_end - t_start
         tokens = batch["input_ids"].numel() * self.dims.dp
-        metrics = {"step": st.batch_count, "loss": loss_value, "lr": self.optimizer.param_groups[0]["lr"],
-                   "grad_norm": grad_norm, **self.throughput.compute(tokens, elapsed),
+        metrics = {"step": st.batch_count, "loss": v.loss, "lr": self.optimizer.param_groups[0]["lr"],
+                   "grad_norm": v.grad_norm, **self.throughput.compute(tokens, elapsed),
                    "num_consumed_tokens": st.num_consumed_tokens, "inf_nan_skip_batches": st.inf_nan_skip_batches,
                    "skipped": not success, "step_time": elapsed,
                    "adam_beta2": self.optimizer.param_groups[0]["betas"][1]}
         if self.grad_scaler is not None:
             metrics["loss_scale"] = self.grad_scaler.scale
         per_type = getattr(self.train_loader, "consumed_tokens_per_type", None)  # all ranks' tokens of each type so far
-        metrics.update(self.metric_hook.step_metrics(per_type() if per_type else {}))
+        metrics.update(self.metric_hook.step_metrics(per_type() if per_type else {}, v.metric_sums))
         if self.comm is not None:
             metrics.update(self.comm.pop())
         if self.context is not None:

@@ -1,9 +1,10 @@
 """Host syncs of a dense training step on two gloo ranks, counted on the CPU as a CUDA run would wait
 (tests/helpers/host_syncs.py, tests/dist/host_sync_driver.py). Issue 34: context parallel adds none to the step
 (the layout is planned from the host's document ids: 12 more per step of 2 micro-batches before); off log steps a
-step under FSDP needs at most one (today 7: the clipped norm's read, the finite check's pageable flag and its read,
-the loss's `.item()`, the metrics' `.cpu()`, and the stop request's pageable tensor and `.tolist()`; not counted
-on the CPU: the timer's event syncs, FSDP's root input copy)."""
+step under FSDP needs at most one: the step's one read (trainer/readout.py: the loss, the norm, the agreed finite
+flag and stop request, the metric's sums in one copy; 7 before: the clipped norm's read, the finite check's
+pageable flag and its read, the loss's `.item()`, the metrics' `.cpu()`, and the stop request's pageable tensor
+and `.tolist()`; not counted on the CPU: the timer's event syncs, FSDP's root input copy)."""
 
 import json
 
@@ -38,7 +39,6 @@ def test_context_parallel_adds_no_host_sync(runs):
             assert sorted(cp[step]) == sorted(fsdp[step]), (step, cp[step], fsdp[step])
 
 
-@pytest.mark.xfail(strict=True, reason="issue 34 item 4, not done: 7 host syncs per dense step (module docstring)")
 def test_a_dense_fsdp_step_off_log_steps_syncs_at_most_once(runs):
     for rank in runs["fsdp"]:
         assert len(rank["3"]) <= 1, rank["3"]

@@ -18,6 +18,7 @@ from internlm_core.metrics import AccPerplex
 from internlm_core.monitor.stop import StopController
 from internlm_core.monitor.straggler import diagnose_stragglers
 from internlm_core.optim.clip import global_grad_norm
+from internlm_core.trainer.readout import read_step
 from internlm_core.trainer.trainer import Trainer
 
 
@@ -40,9 +41,11 @@ def stage_step_collectives(device: torch.device, last: bool, dims: Any, world_si
         metric.update(logits, labels, torch.zeros_like(labels))
         loss = torch.tensor(2.5, device=device)
     out["metric"] = metric.get_metric()
-    loop = SimpleNamespace(dims=dims, world_size=world_size, device=device)
+    loop = SimpleNamespace(dims=dims, world_size=world_size, device=device, loop=SimpleNamespace(micro_num=1))
     out["loss"] = Trainer._reduce_loss(loop, loss)
-    out["finite"] = Trainer._all_finite(loop, not last)  # the last stage reports an inf gradient: all skip
+    inf_or_not = torch.tensor(float("inf") if last else 1.0, device=device)  # the last stage's gradient norm is inf
+    out["finite"] = read_step(torch.zeros((), device=device), inf_or_not,  # the step's agreed flags: all skip
+                              StopController(None, rank=rank, signals=(), group=None), device, world_size > 1).finite
     weight = torch.nn.Parameter(torch.zeros(3, device=device))
     weight.grad = torch.full((3,), 2.0 if last else 1.0, device=device)
     out["grad_norm"] = float(global_grad_norm([weight], pp_group=dims.group("pp")))
