@@ -2,7 +2,11 @@
 
     stop = build_stop_controller(cfg.ckpt, rank, alerts)    # installs the signal handlers
 
-The trainer's loop polls it after each step (every rank: it is a collective when a process group exists):
+The trainer's loop polls it after each step (every rank: it is a collective when a process group exists; the
+trainer samples the request (`sample`) within its step's one host read, agrees on it there with the step's
+inf/nan flag and hands it back (`agree`), so its poll issues no collective and no read of its own; the request is
+thus sampled at the optimizer step, before the step's `on_step_end` observers: a stop file written or a signal
+received after that point is seen at the next step):
 
     decision = stop.poll(step)          # `step`: the step number checkpoints are named by, after the step
     if decision.save: ckpt.save(step)   # then
