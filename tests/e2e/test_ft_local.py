@@ -51,7 +51,9 @@ def test_two_groups_with_checkpoints_each_in_its_own_folder_train_to_the_end(tmp
         recs = train_records(tmp_path / "run" / f"group{g}")
         assert recs and recs[-1]["step"] == 6 and recs[-1]["ft/replica_id"] == g, out[-4000:]
         folder = tmp_path / "ckpt" / f"group{g}"
-        assert sorted(p.parent.name for p in folder.glob("*/COMPLETE")) == ["3", "6"], sorted(folder.rglob("*"))
+        # a group that joins late heals from the other past step 3 and saves step 6 only: which one does is timing
+        saved = sorted(p.parent.name for p in folder.glob("*/COMPLETE"))
+        assert "6" in saved and set(saved) <= {"3", "6"}, sorted(folder.rglob("*"))
     assert not (tmp_path / "ckpt" / "group{group}").exists()
 
 
