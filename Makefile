@@ -41,7 +41,7 @@ lint: $(STAMP)
 	$(VENV)/bin/lint-imports
 
 test: lint
-	$(PY) -m pytest -q --timeout=600 -n 3 --dist loadfile --durations=15 tests
+	$(PY) -m pytest -q --timeout=600 -n 2 --dist loadfile --durations=15 tests
 
 test-fast: $(STAMP)
 	$(PY) -m pytest -q --timeout=300 tests/unit
