@@ -132,7 +132,7 @@ def table(out: Path) -> str:
              f"bf16 {p16:.0f} GFLOP/s; other load during it {peak['other_load']:.2f} cores"]
     if hw.get("peak_fp32_gflops"):
         lines.append(f"peak matmul on oneDNN (bench/hw_peak.py, the same products): fp32 {hw['peak_fp32_gflops']:.0f} "
-                     f"GFLOP/s, bf16 {hw['peak_bf16_gflops']:.0f} GFLOP/s -- 'MFU' uses the peers' peak, "
+                     f"GFLOP/s, bf16 {hw.get('peak_bf16_gflops', 0.0):.0f} GFLOP/s -- 'MFU' uses the peers' peak, "
                      f"'MFU hw' the higher of the two (fp32 {h32:.0f}, bf16 {h16:.0f})")
     any_run = next(r for m in res.values() for rs in m.values() for r in rs)
     lines.append("other load: cores something else in this VM kept busy during the timed steps (the peers' measure); "
