@@ -24,6 +24,7 @@ from internlm_core.model.layers import Linear, RMSNorm
 from internlm_core.numerics import resolve_precision
 from internlm_core.parallel.dtype_policy import fsdp_wraps
 from internlm_core.distributed import ParallelDims
+from internlm_core.utils.cpu_features import CpuFeatures, pinned
 from tests.helpers.cuda_autocast import cuda_norm_rules
 
 
@@ -65,6 +66,14 @@ def _measure(cfg, fsdp: bool, cross_entropy: str):
         logits = model(ids, None, cu)
         FlashGPTLMLoss(cross_entropy)(logits, ids)
     return norm_saved, outputs, linear_in, sum(seen.values()), logits.numel() * logits.element_size()
+
+
+@pytest.fixture(autouse=True, params=[CpuFeatures.NATIVE, CpuFeatures.EMULATED],
+                ids=["native-bf16-gemm", "no-native-bf16-gemm"])
+def cpu(request):
+    """The model's linear layers and the estimator both decide from the CPU's features: pinned, both settings."""
+    with pinned(request.param):
+        yield request.param
 
 
 @pytest.mark.parametrize("world", [2, 1])
