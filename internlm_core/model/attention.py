@@ -179,7 +179,7 @@ def _future_mask(T: int, device: torch.device) -> torch.Tensor:
 
 def blocked_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block: int = CAUSAL_BLOCK,
                              masks: Optional[list[torch.Tensor]] = None) -> torch.Tensor:
-    """Causal attention, q [N, H, T, D], k/v [N, Hkv, T, D] -> [N, H, T, D], as plain matmuls and a softmax.
+    """Causal attention, q/k [N, H(kv), T, D], v [N, Hkv, T, Dv] -> [N, H, T, Dv], as plain matmuls and a softmax.
 
     Queries go in blocks of `block` rows; block i attends to keys [0, end of block i), so the scores above
     the diagonal blocks are never computed (about (1 + 1/n) / 2 of the square for n blocks). Scores come
@@ -209,7 +209,7 @@ def blocked_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
         p = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
         outs.append(torch.matmul(p, v[..., :e, :]))
     out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=-2)
-    return out.reshape(N, H, T, D)
+    return out.reshape(N, H, T, v.shape[-1])  # v's head dim may differ from q/k's (latent attention)
 
 
 def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: PackedMeta) -> torch.Tensor:

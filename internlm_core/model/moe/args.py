@@ -16,6 +16,7 @@ MOE_TYPES = ("GShard", "MegaBlock", "Dropless")
 NOISY_GATE_POLICIES = (None, "Jitter", "RSample")
 SCORE_FUNCS = ("softmax", "sigmoid")
 EXPERT_GEMMS = ("loop", "grouped")
+SHARED_MIXES = ("coefficient", "sum")
 
 
 @dataclass(frozen=True)
@@ -41,7 +42,15 @@ class MoEArgs:
     expert_bias_update_rate: > 0 enables aux-loss-free balancing (DeepSeek-V3): a per-expert bias added to the
         scores for the selection only, moved by `update_expert_bias` after each step: bias += rate * sign(mean - load).
     num_shared_experts: > 0 adds a dense SwiGLU of width num_shared_experts * ffn_width beside the experts, mixed
-        by a learned 2-way softmax coefficient (InternEvo's moe_use_residual is num_shared_experts=1).
+        by a learned 2-way softmax coefficient (InternEvo's moe_use_residual is num_shared_experts=1) or summed.
+    shared_expert_mix: how the shared experts join the routed output: "coefficient" (InternEvo's residual MoE:
+        routed * c0 + shared * c1, (c0, c1) = softmax(coefficient(x))) or "sum" (DeepSeek: routed + shared).
+    num_expert_groups / top_k_groups: group-limited routing (DeepSeek-V3's n_group / topk_group): the experts form
+        num_expert_groups equal groups, a group scores the sum of its 2 best selection scores, and each token
+        chooses its top_k experts among its top_k_groups best groups only. 1 / 1: no limit.
+    routed_scaling_factor: the routed experts' combine weights times this, after norm_topk_prob (DeepSeek-V3 2.5).
+    expert_bias: keep `gate.expert_bias` (selection only, checkpointed) even with expert_bias_update_rate 0, so
+        that a loaded bias (DeepSeek's e_score_correction_bias) routes as trained, frozen.
     expert_gemm: "loop" (one GEMM per expert) or "grouped" (torch's grouped GEMM where it exists for the device and
         dtype; the loop otherwise).
     """
@@ -63,6 +72,11 @@ class MoEArgs:
     expert_bias_update_rate: float = 0.0
     num_shared_experts: int = 0
     expert_gemm: str = "loop"
+    shared_expert_mix: str = "coefficient"
+    num_expert_groups: int = 1
+    top_k_groups: int = 1
+    routed_scaling_factor: float = 1.0
+    expert_bias: bool = False
 
     def __post_init__(self) -> None:
         policy = None if self.noisy_gate_policy in (None, "None") else self.noisy_gate_policy
@@ -80,9 +94,31 @@ class MoEArgs:
             _check(getattr(self, key) > 0, key, "a number > 0", getattr(self, key))
         for key in ("min_capacity", "aux_loss_coeff", "z_loss_coeff", "expert_bias_update_rate", "num_shared_experts"):
             _check(getattr(self, key) >= 0, key, "a number >= 0", getattr(self, key))
+        _check(self.shared_expert_mix in SHARED_MIXES, "shared_expert_mix", f"one of {SHARED_MIXES}",
+               self.shared_expert_mix)
+        self._check_groups()
+        _check(self.routed_scaling_factor > 0, "routed_scaling_factor", "a number > 0", self.routed_scaling_factor)
         _check(not (self.expert_bias_update_rate > 0 and self.noisy_gate_policy == "RSample"), "noisy_gate_policy",
                "not 'RSample' together with expert_bias_update_rate > 0 (the bias is in score units, the Gumbel "
                "noise in logit units)", self.noisy_gate_policy)
+
+    def _check_groups(self) -> None:
+        groups, chosen = self.num_expert_groups, self.top_k_groups
+        _check(groups >= 1 and self.num_experts % groups == 0, "num_expert_groups",
+               f"an int >= 1 dividing num_experts={self.num_experts}", groups)
+        _check(groups == 1 or self.num_experts // groups >= 2, "num_expert_groups",
+               "groups of 2 or more experts (a group scores its 2 best)", groups)
+        _check(1 <= chosen <= groups, "top_k_groups", f"an int in [1, num_expert_groups={groups}]", chosen)
+        _check(not (chosen < groups and self.noisy_gate_policy == "RSample"), "noisy_gate_policy",
+               "not 'RSample' with group-limited routing (top_k_groups < num_expert_groups: the Gumbel draw would "
+               "ignore the groups)", self.noisy_gate_policy)
+        _check(chosen * (self.num_experts // groups) >= self.top_k, "top_k_groups",
+               f"groups holding at least top_k={self.top_k} experts", chosen)
+
+    @property
+    def group_limited(self) -> bool:
+        """Whether the selection is limited to each token's top_k_groups best expert groups."""
+        return self.top_k_groups < self.num_expert_groups
 
     @property
     def capacity_bounded(self) -> bool:

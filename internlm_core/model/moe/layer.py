@@ -9,6 +9,7 @@
                              all-to-alls' sizes); routing, sorting, statistics and the aux-loss scale stay on
                              the device (tests/unit/test_moe_host_syncs.py)
     shared_experts           optional dense SwiGLU mixed in by a learned 2-way coefficient (InternEvo's residual MoE)
+                             or added (DeepSeek's shared experts: shared_expert_mix "sum")
     aux losses               aux_loss_coeff * l_aux + z_loss_coeff * l_z reach the gradient through the output
                              (aux_loss.py), scaled by set_aux_loss_scale
 
@@ -18,7 +19,8 @@ Parameters (names fixed; the model family maps foreign names onto them):
     with num_shared_experts = n > 0: shared_experts.w1.weight / w3.weight [n ffn, h], shared_experts.w2.weight
     [h, n ffn] and coefficient.weight [2, h], coefficient.bias [2]:
     out = moe(x) * c0 + shared(x) * c1, (c0, c1) = softmax(coefficient(x)) (InternEvo's moe_use_residual: its
-    residual_mlp has the experts' width, so moe_use_residual=True is num_shared_experts=1).
+    residual_mlp has the experts' width, so moe_use_residual=True is num_shared_experts=1); with
+    shared_expert_mix "sum" there is no coefficient and out = moe(x) + shared(x) (DeepSeek-V2/V3).
 
 Randomness (Jitter, RSample, random token selection) comes from the default generator of the input's device, the
 one the trainer seeds and activation checkpointing saves and restores, so a recomputed forward drops the same tokens.
@@ -67,7 +69,8 @@ class MoEFeedForward(nn.Module):
         self.coefficient: Optional[Linear] = None
         if args.num_shared_experts > 0:
             self.shared_experts = SharedExperts(hidden_size, args.num_shared_experts * args.ffn_width, init_std)
-            self.coefficient = Linear(hidden_size, 2, bias=True)
+            if args.shared_expert_mix == "coefficient":
+                self.coefficient = Linear(hidden_size, 2, bias=True)
         self.ep_group, self.ep_size, self.ep_rank = None, 1, 0
         self.last_stats: Optional[MoEStats] = None
         self._step_stats = StatsAccumulator()
@@ -133,7 +136,10 @@ class MoEFeedForward(nn.Module):
         return self._attach_losses(out, routing).view(*x.shape[:-1], out.shape[-1])
 
     def _mix_shared(self, flat: torch.Tensor, routed: torch.Tensor) -> torch.Tensor:
-        """InternEvo's residual MoE: routed * c0 + shared * c1 with (c0, c1) = softmax(coefficient(x))."""
+        """InternEvo's residual MoE: routed * c0 + shared * c1 with (c0, c1) = softmax(coefficient(x)); without a
+        coefficient (shared_expert_mix "sum") routed + shared, in fp32."""
+        if self.coefficient is None:
+            return (routed.float() + self.shared_experts(flat).float()).to(routed.dtype)
         coef = torch.softmax(self.coefficient(flat).float(), dim=-1)
         dense = self.shared_experts(flat)
         return (routed.float() * coef[:, :1] + dense.float() * coef[:, 1:]).to(routed.dtype)

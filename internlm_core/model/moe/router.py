@@ -9,6 +9,9 @@ The formulas, following InternEvo's `internlm/model/moe/gshard_layer.py` (DeepSp
 
 - logits = x W^T in fp32 (autocast off), scores = softmax(logits) (or sigmoid(logits)).
 - selection: top-k of the scores (+ expert_bias when bias balancing is on: selection only, never the weights).
+  Group-limited (DeepSeek-V3, num_expert_groups G > top_k_groups g): the E experts form G equal groups, a group's
+  score is the sum of its 2 best selection scores, and a token's top-k is taken over its g best groups only
+  (transformers' DeepseekV3TopkRouter).
   RSample (training): Gumbel(0, 1) noise on the logits chooses the expert when k == 1 (InternEvo top1gating) and
   choices 2..k after the clean first choice when k >= 2 (InternEvo top2gating samples its second expert so,
   always; here only under RSample).
@@ -17,7 +20,8 @@ The formulas, following InternEvo's `internlm/model/moe/gshard_layer.py` (DeepSp
   (tokens in position order within a choice: InternEvo's locations cumsum over the k-major masks); with use_rts and
   k == 1 the kept pairs are a uniformly random subset instead (InternEvo top1gating: topk over mask * U(0, 1)).
 - weights: the scores of the chosen experts, 0 for a dropped pair; norm_topk_prob divides by the sum of the kept
-  ones (clamped to fp32 eps, InternEvo's denom_s); without it the raw scores (InternEvo's classic top-1).
+  ones (clamped to fp32 eps, InternEvo's denom_s); without it the raw scores (InternEvo's classic top-1); then
+  times routed_scaling_factor (DeepSeek-V3's 2.5; 1 elsewhere).
 - l_aux = E * sum_e P_e * f_e, P_e = mean over tokens of the (softmax / normalized sigmoid) scores;
   capacity-bounded: f_e = fraction of tokens whose FIRST choice is e, before dropping (InternEvo GShard top1, top2
   and fused top-k: `ce` from mask1 / masks[0]); Dropless: f_e = (all k choices routed to e) / (S k) (InternEvo
@@ -73,7 +77,8 @@ class Router(nn.Module):
         self.noisy_gate_policy = args.noisy_gate_policy
         self.weight = nn.Parameter(torch.empty(args.num_experts, hidden_size))
         nn.init.normal_(self.weight, std=init_std)
-        bias = torch.zeros(args.num_experts, dtype=torch.float32) if args.expert_bias_update_rate > 0 else None
+        keep = args.expert_bias_update_rate > 0 or args.expert_bias
+        bias = torch.zeros(args.num_experts, dtype=torch.float32) if keep else None
         self.register_buffer("expert_bias", bias, persistent=True)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -98,12 +103,26 @@ def gumbel_like(t: torch.Tensor) -> torch.Tensor:
     return torch.empty_like(t).exponential_().log_().neg_()
 
 
+def limit_to_groups(key: torch.Tensor, groups: int, chosen: int) -> torch.Tensor:
+    """`key` [S, E] with -inf outside each token's `chosen` best of `groups` equal expert groups, a group scored
+    by the sum of its 2 best keys (DeepSeek-V3's group-limited routing)."""
+    S, E = key.shape
+    grouped = key.view(S, groups, E // groups)
+    group_scores = grouped.topk(2, dim=-1).values.sum(dim=-1)
+    best = group_scores.topk(chosen, dim=-1).indices
+    keep = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, best, True)
+    return grouped.masked_fill(~keep.unsqueeze(-1), float("-inf")).view(S, E)
+
+
 def select_experts(scores: torch.Tensor, logits: torch.Tensor, bias: Optional[torch.Tensor], k: int,
-                   rsample: bool) -> torch.Tensor:
-    """The k experts of each token [S, k] (first choice first): top-k of scores (+ bias); with `rsample` the
-    Gumbel-max draws described in the module docstring."""
+                   rsample: bool, groups: tuple[int, int] = (1, 1)) -> torch.Tensor:
+    """The k experts of each token [S, k] (first choice first): top-k of scores (+ bias), within the best
+    groups[1] of groups[0] expert groups when groups[1] < groups[0]; with `rsample` the Gumbel-max draws
+    described in the module docstring."""
     with torch.no_grad():
         key = scores if bias is None else scores + bias.to(scores.dtype)
+        if groups[1] < groups[0]:
+            key = limit_to_groups(key, *groups)
         if not rsample:
             return torch.topk(key, k, dim=-1).indices
         noisy = logits + gumbel_like(logits)
@@ -152,7 +171,7 @@ def route(logits: torch.Tensor, args: MoEArgs, training: bool, bias: Optional[to
     k = args.top_k
     scores = torch.softmax(logits, dim=-1) if args.score_func == "softmax" else torch.sigmoid(logits)
     rsample = args.noisy_gate_policy == "RSample" and training
-    experts = select_experts(scores, logits, bias, k, rsample)
+    experts = select_experts(scores, logits, bias, k, rsample, (args.num_expert_groups, args.top_k_groups))
     tokens_per_expert = expert_counts(experts, E)
     weights = scores.gather(1, experts)
     keep, capacity = None, None
@@ -162,6 +181,8 @@ def route(logits: torch.Tensor, args: MoEArgs, training: bool, bias: Optional[to
         weights = weights * keep
     if args.norm_topk_prob:
         weights = weights / weights.sum(dim=-1, keepdim=True).clamp_min(torch.finfo(weights.dtype).eps)
+    if args.routed_scaling_factor != 1.0:
+        weights = weights * args.routed_scaling_factor
     probs = scores if args.score_func == "softmax" else scores / scores.sum(dim=-1, keepdim=True)
     l_aux = load_balancing_loss(probs, experts, tokens_per_expert, args.capacity_bounded)
     l_z = torch.logsumexp(logits, dim=-1).square().mean()
