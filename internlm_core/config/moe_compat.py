@@ -26,6 +26,8 @@ _MOE_KERNEL_KEYS = ("use_fused_gating", "enable_fused_permute", "token_dispatche
 _DENSE_DROPS = (("model", "moe_type"), ("model", "top_k"), ("model", "moe_use_residual"), ("model", "moe_gate_k"),
                 ("model", "moe_intermediate_size"), ("loss", "moe_loss_coeff"), ("parallel", "expert"),
                 ("parallel", "expert_weight"), ("parallel", "expert_zero1"), ("", "moe"))
+# model/moe/mix.py's keys and their all-MoE defaults: set otherwise on a dense family, refused
+_MIX_DEFAULTS = {"first_k_dense_replace": 0, "decoder_sparse_step": 1, "mlp_only_layers": []}
 
 
 def is_moe_family(model_type: Any) -> bool:
@@ -60,6 +62,11 @@ def _dense(raw: dict, compat: list[str]) -> dict:
     if isinstance(n, (int, float)) and not isinstance(n, bool) and n > 1:
         raise ConfigError(f"model.num_experts={n}: model_type {raw.get('model_type', 'INTERNLM')!r} is dense; "
                           f"mixture-of-experts needs an MoE model_type ({', '.join(moe_families())})")
+    mixed = {k: model[k] for k, default in _MIX_DEFAULTS.items() if model.get(k) not in (None, default)}
+    if mixed:
+        raise ConfigError(f"model.{', model.'.join(f'{k}={v!r}' for k, v in mixed.items())}: dense blocks among "
+                          f"MoE blocks; model_type {raw.get('model_type', 'INTERNLM')!r} is dense throughout "
+                          f"(an MoE model_type takes them: {', '.join(moe_families())})")
     raw = dict(raw)
     for section, key in (("model", "num_experts"), *_DENSE_DROPS):
         holder = raw if not section else _section(raw, section)

@@ -84,7 +84,7 @@ class ModelFigures:
                               f"cannot be estimated")
         block, embedding, head = counts.block(args), counts.embedding(args), counts.head(args)
         total = spec.num_parameters(args) if spec.num_parameters is not None else \
-            args.num_layers * block.count + embedding.count + head.count
+            sum(counts.block(a).count for a in counts.layer_args(args)) + embedding.count + head.count
         s = lay.sizes
         return cls(counts, block, embedding, head, int(total), float(counts.block_flops_per_token(args, seq_len)),
                    per_device(block.terms(), s), per_device(embedding.terms(), s), per_device(head.terms(), s),

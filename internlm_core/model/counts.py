@@ -110,6 +110,10 @@ def _none(args: Any, ctx: ActivationContext) -> list[Term]:
     return []
 
 
+def _uniform(args: Any) -> tuple[Any, ...]:
+    return (args,) * args.num_layers
+
+
 @dataclass(frozen=True)
 class ModelCounts:
     """A family's analytic counts, each a function of its module args (and, for activations, the context).
@@ -125,6 +129,8 @@ class ModelCounts:
     logits(args): the logits' width per token (the vocabulary) and the mesh dimensions that split it.
     block_communication(args, ctx): bytes per token one block's own collectives move in a forward and backward
         (an MoE all-to-all), each term with the dimensions that divide it; none for dense families.
+    layer_args(args): the args each block's counts are called with, one per block in order (a stack of blocks
+        of several kinds, e.g. dense blocks among MoE blocks: model/moe/mix.py); default `args` for every block.
     """
 
     block: Callable[[Any], Parameters]
@@ -137,6 +143,7 @@ class ModelCounts:
     head_activations: Callable[[Any, ActivationContext], list[Term]]
     logits: Callable[[Any], Term]
     block_communication: Callable[[Any, ActivationContext], list[Term]] = _none
+    layer_args: Callable[[Any], tuple[Any, ...]] = _uniform
 
 
 def keys_per_query(seq_len: int) -> float:

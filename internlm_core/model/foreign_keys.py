@@ -24,6 +24,8 @@ _ARGS = {"num_attention_heads": "num_heads", "num_kv_attention_heads": "num_kv_h
          "layer_norm_epsilon": "norm_eps"}
 _MOE_ARGS = {"num_experts": "num_experts", "top_k": "top_k", "moe_intermediate_size": "ffn_width",
              "moe_type": "moe_type"}
+# the keys of which blocks are MoE (model/moe/mix.py's MIX_KEYS; this module imports no torch)
+_MIX = ("first_k_dense_replace", "decoder_sparse_step", "mlp_only_layers")
 # our key -> the config keys that, set by the user, fix its value (derived values: the FFN width, kv heads)
 _SET_BY = {"intermediate_size": ("model.intermediate_size", "model.mlp_ratio", "model.multiple_of"),
            "top_k": ("moe.top_k",)}
@@ -63,6 +65,8 @@ def run_value(key: str, m: Any, moe: Any) -> Any:
         return m.num_kv_attention_heads or m.num_attention_heads
     if key in ("qkv_bias", "qk_norm", "tie_word_embeddings"):
         return bool(getattr(m, key))
+    if key == "mlp_only_layers":
+        return sorted(m.mlp_only_layers or [])
     if key == "top_k" or key.startswith("moe."):
         return getattr(moe, key.split(".")[-1], None)
     return getattr(m, key, None)
@@ -85,6 +89,10 @@ def args_value(key: str, args: Any) -> Any:
         if key == "moe_use_residual":
             return moe.num_shared_experts > 0
         return getattr(moe, _MOE_ARGS.get(key, key.split(".")[-1]), None)
+    if key in _MIX:  # MoEModelArgs.layer_mix (model/moe/mix.py); None for a dense model
+        mix = getattr(args, "layer_mix", None)
+        return None if mix is None else (sorted(mix.mlp_only_layers) if key == "mlp_only_layers" else
+                                         getattr(mix, key))
     value = getattr(args, _ARGS.get(key, key), None)
     return bool(value) if key in ("qkv_bias", "qk_norm", "tie_word_embeddings") else value
 
@@ -95,6 +103,8 @@ def same(key: str, ours: Any, theirs: Any) -> bool:
         return _scaling(ours) == _scaling(theirs)
     if key == "moe_type":
         return _dropless(ours) == _dropless(theirs)
+    if key == "mlp_only_layers":  # None or a list in the config, a tuple in ModelArgs: block indices as a set
+        return sorted(ours or []) == sorted(theirs or [])
     if key == "window_layers":  # a list in the config, a tuple in ModelArgs
         return (None if ours is None else sorted(ours)) == (None if theirs is None else sorted(theirs))
     if key == "moe.noisy_gate_policy":

@@ -180,8 +180,8 @@ def test_config_refuses_what_the_block_cannot_do(extra, message):
 def test_hf_configs_the_families_cannot_hold_are_refused(tmp_path):
     save_hf(tmp_path, "Qwen3Moe", num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32)
     c = json.loads((tmp_path / "config.json").read_text())
-    for change, message in (({"decoder_sparse_step": 2}, "some layers would be dense"),
-                            ({"mlp_only_layers": [1]}, "some layers would be dense"),
+    for change, message in (({"decoder_sparse_step": "2"}, "expected an int and a list of layer indices"),
+                            ({"mlp_only_layers": 1}, "expected an int and a list of layer indices"),
                             ({"rope_parameters": {"rope_type": "longrope", "factor": 2.0}}, "'longrope'")):
         (tmp_path / "config.json").write_text(json.dumps({**c, **change}))
         with pytest.raises(CheckpointError, match=message):

@@ -11,10 +11,14 @@ factor (GShard: an expert's buffer holds c * k * tokens / E slots; dropless: k):
     all-to-all         4 * k * a * h * (1 - 1 / ep)   dispatch and combine, forward and backward, under expert
                                                parallel: each routed copy leaves the rank unless its expert is one
                                                of the rank's own (1 / ep of them under balanced routing)
+
+A block `layer_mix` makes dense (model/moe/mix.py) is counted as the dense family's block: `layer_args` gives it
+the args with `moe=None`, which every function below hands to internlm/counts.py.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 from ..counts import ActivationContext, Linear, ModelCounts, Parameters, Term
@@ -29,10 +33,18 @@ def _routed(a: Any) -> float:
     return m.top_k * (1.0 if m.moe_type == "Dropless" else max(m.capacity_factor, m.eval_capacity_factor))
 
 
+def layer_args(a: Any) -> tuple[Any, ...]:
+    """Each block's args: `a` for an MoE block, `a` with moe=None (the dense block's counts) for a dense one."""
+    plain = dataclasses.replace(a, moe=None)
+    return tuple(a if a.layer_mix.is_moe(i) else plain for i in range(a.num_layers))
+
+
 def block(a: Any) -> Parameters:
     """The dense block without its FFN, the router [E, h], the experts [E, f, h] x 2 and [E, h, f] (split over
     "ep"), and InternEvo's residual MLP with its 2-way coefficient when there are shared experts."""
     base = dense.block(a)
+    if a.moe is None:
+        return base
     m, h = a.moe, a.hidden_size
     f, E = m.ffn_width, m.num_experts
     linears = [w for w in base.linears if not w.name.startswith("feed_forward.")]
@@ -50,20 +62,23 @@ def block(a: Any) -> Parameters:
 def active_parameters(a: Any) -> int:
     """Parameters one token's forward multiplies: every block's but only k of its E experts, plus the embedding
     side and the head (what FLOPs per token count, as dense models count all)."""
-    m = a.moe
-    per_block = sum(w.elements for w in block(a).linears if not w.name.startswith("feed_forward.experts."))
-    per_block += 3 * m.top_k * m.ffn_width * a.hidden_size
-    return a.num_layers * per_block
+    return sum(_active_block(b) for b in layer_args(a))
+
+
+def _active_block(a: Any) -> int:
+    """One block's weights a token multiplies: all but the experts, and k experts' SwiGLU."""
+    weights = sum(w.elements for w in block(a).linears if not w.name.startswith("feed_forward.experts."))
+    return weights + (3 * a.moe.top_k * a.moe.ffn_width * a.hidden_size if a.moe is not None else 0)
 
 
 def block_flops_per_token(a: Any, seq_len: int) -> float:
     """2 per weight a token multiplies (k experts of E) and the attention's 4 * heads * head_dim * s."""
-    m = a.moe
-    weights = sum(w.elements for w in block(a).linears if not w.name.startswith("feed_forward.experts."))
-    return 2 * (weights + 3 * m.top_k * m.ffn_width * a.hidden_size) + dense.attention_flops_per_token(a, seq_len)
+    return 2 * _active_block(a) + dense.attention_flops_per_token(a, seq_len)
 
 
 def block_activations(a: Any, c: ActivationContext) -> list[Term]:
+    if a.moe is None:
+        return dense.block_activations(a, c)
     m, h, comp = a.moe, a.hidden_size, c.compute_bytes
     terms = [t for t in dense.block_activations(a, c) if t.name != "SwiGLU"]
     routed = _routed(a)
@@ -79,6 +94,8 @@ def block_communication(a: Any, c: ActivationContext) -> list[Term]:
     """The all-to-all bytes a rank sends per token and block: every routed copy, less the 1 / ep share that stays
     (two terms of one name, the second divided by "ep": their sum is the whole times (1 - 1 / ep), 0 without
     expert parallel). Balanced routing is assumed; an unbalanced router sends more or less (the counter says)."""
+    if a.moe is None:
+        return []
     sent = 4 * a.moe.top_k * c.compute_bytes * a.hidden_size
     return [Term("expert all-to-all", sent), Term("expert all-to-all", -sent, EP)]
 
@@ -87,7 +104,7 @@ COUNTS = ModelCounts(block=block, embedding=dense.embedding, head=dense.head,
                      block_flops_per_token=block_flops_per_token, block_activations=block_activations,
                      checkpointed_block_activations=dense.checkpointed_block_activations,
                      shared_activations=dense.shared_activations, head_activations=dense.head_activations,
-                     logits=dense.logits, block_communication=block_communication)
+                     logits=dense.logits, block_communication=block_communication, layer_args=layer_args)
 
 
 def flops_per_token(a: Any, seq_len: int) -> int:

@@ -21,6 +21,7 @@ import torch
 
 from ...errors import CheckpointError
 from ..internlm.hf import _common_config, config_from_llama, head_dim, llama_from_hf, llama_to_hf, refuse_options
+from ..moe import layer_mix_of
 from ..spec import AdapterContext, StateDictAdapter
 
 _OURS_MOE = re.compile(r"^layers\.(\d+)\.feed_forward\.(gate\.weight|gate\.expert_bias|experts\.w[123])$")
@@ -93,6 +94,10 @@ def mixtral_config(cfg: Any, torch_dtype: str = "float32",
         raise CheckpointError("model.moe_use_residual / moe.expert_bias_update_rate: MixtralForCausalLM has no "
                               "shared experts or expert bias")
     refuse_options(m, "MixtralForCausalLM", allowed=("sliding_window",))
+    dense = layer_mix_of(m).dense_layers(m.num_layers)
+    if dense:
+        raise CheckpointError(f"model.first_k_dense_replace / decoder_sparse_step / mlp_only_layers make blocks "
+                              f"{list(dense)} dense: every MixtralForCausalLM layer is MoE")
     c = _common_config(cfg, torch_dtype, special_ids)
     c["intermediate_size"] = m.moe_intermediate_size or c["intermediate_size"]
     return {"architectures": ["MixtralForCausalLM"], "model_type": "mixtral", **c,
@@ -118,12 +123,17 @@ def config_from_mixtral(c: Mapping, where: str = "config.json") -> dict:
     out.update(num_experts=int(c.get("num_local_experts", 8)), top_k=int(c.get("num_experts_per_tok", 2)),
                moe_type="Dropless", moe_intermediate_size=out.pop("intermediate_size"))
     out.update(MIXTRAL_ROUTING, **{"moe.norm_topk_prob": True})
+    out.update(ALL_MOE)  # every layer MoE
     return out
 
 
 # the router of Mixtral's and Qwen3-MoE's HF classes, in our moe section's keys (compared on import)
 MIXTRAL_ROUTING = {"moe.score_func": "softmax", "moe.noisy_gate_policy": None, "moe.expert_bias_update_rate": 0.0,
                    "moe_use_residual": False}
+
+
+# model/moe/mix.py's keys of a class whose every layer is MoE
+ALL_MOE = {"first_k_dense_replace": 0, "decoder_sparse_step": 1, "mlp_only_layers": []}
 
 
 MIXTRAL_HF = StateDictAdapter(format="hf", to_foreign=mixtral_to_hf, from_foreign=mixtral_from_hf,

@@ -28,6 +28,7 @@ import torch
 
 from ...errors import CheckpointError
 from ..internlm.internlm_ckpt import config_from_internlm_ckpt, from_internlm, internlm_model_config, to_internlm
+from ..moe import layer_mix_of
 from ..spec import AdapterContext, StateDictAdapter
 
 _OURS = re.compile(r"^layers\.(\d+)\.feed_forward\.(.+)$")
@@ -129,8 +130,12 @@ def to_internevo_moe(sd: Mapping[str, torch.Tensor], ctx: AdapterContext) -> dic
 
 def internevo_moe_config(cfg, torch_dtype: str = "bfloat16", special_ids=None) -> dict:
     """model_config.pt: InternLM v1's keys plus the MoE ones InternEvo's model section has."""
-    out = internlm_model_config(cfg, torch_dtype, special_ids)
     m = cfg.model
+    dense = layer_mix_of(m).dense_layers(m.num_layers)
+    if dense:
+        raise CheckpointError(f"model.first_k_dense_replace / decoder_sparse_step / mlp_only_layers make blocks "
+                              f"{list(dense)} dense: InternEvo's MoE checkpoint holds an MoE FFN in every block")
+    out = internlm_model_config(cfg, torch_dtype, special_ids)
     out.update({"num_experts": m.num_experts, "moe_use_residual": bool(m.moe_use_residual), "moe_type": m.moe_type})
     return out
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 from ...errors import ConfigError
 from ..args import args_from_model_config, ffn_width
 from ..internlm.rules import validate_transformer
-from ..moe import MoEArgs
+from ..moe import MoEArgs, layer_mix_of
 from ..spec import ModelInputs
 from .model import MoEModelArgs
 
@@ -28,8 +28,9 @@ def moe_args(inputs: ModelInputs) -> MoEArgs:
 
 
 def build_moe_args(inputs: ModelInputs, attn_backend: str) -> MoEModelArgs:
+    """The dense args, the experts' (`moe_args`) and which blocks have them (model/moe/mix.py)."""
     dense = args_from_model_config(inputs.model, inputs.seq_len, attn_backend)
-    return MoEModelArgs(**vars(dense), moe=moe_args(inputs))
+    return MoEModelArgs(**vars(dense), moe=moe_args(inputs), layer_mix=layer_mix_of(inputs.model))
 
 
 def validate_moe(inputs: ModelInputs, grouped_query: bool) -> None:
@@ -42,6 +43,7 @@ def validate_moe(inputs: ModelInputs, grouped_query: bool) -> None:
                           f"{m.num_experts}")
     if m.moe_type not in DROPLESS + CAPACITY:
         raise ConfigError(f"model.moe_type: expected one of {', '.join(CAPACITY + DROPLESS)}, got {m.moe_type!r}")
+    layer_mix_of(m).check(m.num_layers)
     if not 1 <= r.top_k <= m.num_experts:
         raise ConfigError(f"moe.top_k ({r.top_k}) must be between 1 and model.num_experts ({m.num_experts})")
     if r.score_func not in ("softmax", "sigmoid"):

@@ -9,8 +9,9 @@ names: qwen3/hf.py) and Qwen's names for the router and the experts.
 The per-expert form is what `save_pretrained` writes and the Hub holds; transformers 5 fuses the experts in memory
 (`mlp.experts.gate_up_proj` [E, 2 ffn, h] = [gate; up], `mlp.experts.down_proj` [E, h, ffn]), which is read too.
 Routing: softmax scores in fp32, top k, renormalized when `norm_topk_prob` (our moe.norm_topk_prob), every token
-kept (moe_type Dropless). Every layer is sparse here: decoder_sparse_step 1, no mlp_only_layers (other values make
-some layers dense, which the MoE families do not build, and are refused).
+kept (moe_type Dropless). The dense layers of `decoder_sparse_step` / `mlp_only_layers` (Qwen3MoeMLP of width
+`intermediate_size`) are our dense blocks (model/moe/mix.py, the same keys): the Llama names,
+`model.layers.{i}.mlp.{gate,up,down}_proj.weight`. A config's first_k_dense_replace is written as mlp_only_layers.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from ...errors import CheckpointError
 from ..args import ffn_width
 from ..internlm.hf import _common_config, head_dim, llama_to_hf, refuse_options
 from ..internlm_moe.hf import MIXTRAL_ROUTING, moe_from_hf
+from ..moe import layer_mix_of
 from ..qwen2.hf import window_config
 from ..qwen3.hf import config_from_qwen3
 from ..spec import AdapterContext, StateDictAdapter
@@ -75,21 +77,31 @@ def qwen3_moe_config(cfg: Any, torch_dtype: str = "float32",
     return {"architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", **c, "head_dim": head_dim(m),
             "attention_bias": bool(m.qkv_bias), **window_config(m), "attention_dropout": 0.0,
             "moe_intermediate_size": m.moe_intermediate_size or ffn_width(m), "num_experts": m.num_experts,
-            "num_experts_per_tok": r.top_k, "norm_topk_prob": bool(r.norm_topk_prob), "decoder_sparse_step": 1,
-            "mlp_only_layers": [], "router_aux_loss_coef": cfg.moe_loss_coeff, "output_router_logits": False}
+            "num_experts_per_tok": r.top_k, "norm_topk_prob": bool(r.norm_topk_prob), **_mix_config(m),
+            "router_aux_loss_coef": cfg.moe_loss_coeff, "output_router_logits": False}
+
+
+def _mix_config(m: Any) -> dict:
+    """decoder_sparse_step and mlp_only_layers holding the config's dense blocks (first_k_dense_replace's among
+    the listed ones)."""
+    mix = layer_mix_of(m)
+    dense = sorted(set(mix.mlp_only_layers) | set(range(min(mix.first_k_dense_replace, m.num_layers))))
+    return {"decoder_sparse_step": mix.decoder_sparse_step, "mlp_only_layers": dense}
 
 
 def config_from_qwen3_moe(c: Mapping, where: str = "config.json") -> dict:
     """Our keys of a Qwen3-MoE config.json: `model` keys, and moe.norm_topk_prob (another section: dotted)."""
-    step, dense_layers = int(c.get("decoder_sparse_step", 1)), list(c.get("mlp_only_layers") or [])
-    if step != 1 or dense_layers:
-        raise CheckpointError(f"{where}: decoder_sparse_step={step}, mlp_only_layers={dense_layers}: some layers "
-                              "would be dense; internlm-core's MoE families make every layer sparse "
-                              "(decoder_sparse_step 1, mlp_only_layers [])")
+    step, dense_layers = c.get("decoder_sparse_step", 1), c.get("mlp_only_layers") or []
+    if isinstance(step, bool) or not isinstance(step, int) or not isinstance(dense_layers, list):
+        raise CheckpointError(f"{where}: decoder_sparse_step={step!r}, mlp_only_layers={dense_layers!r}: expected "
+                              "an int and a list of layer indices")
     # Qwen3MoeConfig's head_dim default: width / heads; Qwen3MoeAttention windows every layer when
     # use_sliding_window (max_window_layers is not read)
     out = config_from_qwen3({"head_dim": None, **c, "max_window_layers": 0, "layer_types": None}, where)
-    del out["intermediate_size"]  # the dense width of mlp_only_layers, which are refused above
+    if step == 1 and not dense_layers:
+        del out["intermediate_size"]  # the dense layers' width: no layer has it
+    # the class has no first_k_dense_replace (0): a run's other value would build another model
+    out.update(first_k_dense_replace=0, decoder_sparse_step=step, mlp_only_layers=sorted(int(i) for i in dense_layers))
     out.update(num_experts=int(_need({"num_experts": c.get("num_local_experts"), **c}, "num_experts", where)), top_k=int(c.get("num_experts_per_tok", 8)),
                moe_type="Dropless", moe_intermediate_size=int(_need(c, "moe_intermediate_size", where)))
     out["moe.norm_topk_prob"] = bool(c.get("norm_topk_prob", False))  # transformers' default: not renormalized
