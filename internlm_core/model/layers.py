@@ -96,6 +96,11 @@ class HalfLinearFp32Gemm(torch.autograd.Function):
         return grad_x, grad_w
 
 
+def weight_subclass(weight: torch.Tensor) -> bool:
+    """A weight whose class (or, for an nn.Parameter, its data's) is a tensor subclass other than DTensor."""
+    return type(weight) not in (torch.Tensor, nn.Parameter, DTensor)
+
+
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
     """F.linear, with two CPU paths that compute the same numbers faster.
 
@@ -105,8 +110,13 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] =
     (results differ by summation order only).
     bf16/fp16 on a CPU without native 16-bit GEMM (weights in 16 bits, or autocast to 16 bits): the GEMMs run
     in fp32 and round once (HalfLinearFp32Gemm), as a native kernel does; tensor-parallel DTensors included.
-    Other devices (GPUs) always take F.linear.
+    Other devices (GPUs) always take F.linear, and so does a weight of a tensor subclass other than DTensor (a
+    low-precision training wrapper such as torchao's MXFP8 weight, whose own F.linear override picks the GEMM; it
+    multiplies only, torchao 0.18 drops a bias passed to it, so the bias is added here).
     """
+    if weight_subclass(weight):
+        y = F.linear(x, weight)
+        return y if bias is None else y + bias
     if x.device.type != "cpu":
         return F.linear(x, weight, bias)
     autocast = torch.is_autocast_enabled("cpu")

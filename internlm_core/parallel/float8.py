@@ -12,13 +12,16 @@ the bf16 model's.
 
 from __future__ import annotations
 
-from typing import Any, Iterable, Optional
+import dataclasses
+from typing import Any, Callable, Iterable, Optional
 
+import torch
 import torch.nn as nn
 
 from ..config.fp8 import Fp8Plan
 from ..errors import ConfigError
 from ..utils.logging import get_logger
+from .mxfp8 import expert_modules, expert_skip_reason, mx_kernel, swap_mx_weights
 
 __all__ = ["convert_to_fp8", "skip_reason", "check_fp8_layout"]
 
@@ -35,8 +38,8 @@ def skip_reason(name: str, module: nn.Linear, in_blocks: bool, plan: Fp8Plan) ->
     if any(s in name for s in plan.filter_fqns):
         return "model.fp8.filter_fqns"
     dims = (module.in_features, module.out_features)
-    if any(d % 16 for d in dims):
-        return f"features {dims} not multiples of 16"
+    if any(d % plan.alignment for d in dims):
+        return f"features {dims} not multiples of {plan.alignment}"
     if min(dims) < plan.min_features:
         return f"features {dims} below min_features {plan.min_features}"
     return None
@@ -52,6 +55,9 @@ def _torchao_float8() -> Any:
 
 def check_fp8_layout(plan: Fp8Plan, tensor: int, backend: Optional[str]) -> None:
     """Refuse, in one line, the layouts float8 training does not (yet) compose with here."""
+    if plan.mx and tensor > 1:
+        raise ConfigError(f"model.fp8: {plan.recipe} not with parallel.tensor > 1 (torchao's MXFP8 weight wrapper "
+                          "has no tensor-parallel styles)")
     if tensor > 1:
         raise ConfigError("model.fp8: not with parallel.tensor > 1 yet (the float8 tensor-parallel styles and their "
                           "amax reductions are not wired)")
@@ -60,30 +66,60 @@ def check_fp8_layout(plan: Fp8Plan, tensor: int, backend: Optional[str]) -> None
                           "(\"Invalid scalar type\"); use nccl or leave it False")
 
 
-def convert_to_fp8(model: nn.Module, blocks: Iterable[nn.Module], plan: Fp8Plan) -> dict[str, str]:
-    """Swap the linears of `model` that the rule keeps in float8 for torchao's Float8Linear (in place, on any
-    device, the meta device included; `blocks`: the family plan's transformer blocks). Logs the recipe, the count
-    and the skipped layers once; returns {skipped name: reason}."""
-    ao_float8 = _torchao_float8()
-    config = ao_float8.Float8LinearConfig.from_recipe_name(plan.recipe)
-    if plan.fsdp_float8_all_gather:
-        import dataclasses
-        config = dataclasses.replace(config, enable_fsdp_float8_all_gather=True)
+def convert_to_fp8(model: nn.Module, blocks: Iterable[nn.Module], plan: Fp8Plan, *,
+                   device: Optional[torch.device] = None, grouped_experts: bool = False) -> dict[str, str]:
+    """Convert the linears of `model` that the rule keeps in low precision (in place, on any device, the meta device
+    included; `blocks`: the family plan's transformer blocks): torchao's Float8Linear for the float8 recipes, its
+    MXFP8 weight wrapper for the mxfp8 ones (also the MoE experts when `grouped_experts`: they multiply with the
+    grouped GEMM). `device`: where the run computes (mxfp8's kernel choice; default CPU). Logs the recipe, the count and the skipped layers once; returns {skipped name: reason}."""
+    blocks = list(blocks)
     in_blocks = {id(m) for b in blocks for m in b.modules()}
     skipped: dict[str, str] = {}
     converted: list[str] = []
 
-    def keep_float8(module: nn.Module, fqn: str) -> bool:
+    def keep_low(module: nn.Module, fqn: str) -> bool:
         reason = skip_reason(fqn, module, id(module) in in_blocks, plan)
-        if reason is None:
-            converted.append(fqn)
-        else:
-            skipped[fqn] = reason
+        (skipped.__setitem__(fqn, reason) if reason else converted.append(fqn))
         return reason is None
 
-    ao_float8.convert_to_float8_training(model, config=config, module_filter_fn=keep_float8)
-    logger.info(f"model.fp8: recipe {plan.recipe}, {len(converted)} linear layers in float8"
-                + (", float8 FSDP all-gather" if plan.fsdp_float8_all_gather else "")
+    if plan.mx:
+        note = _convert_mx(model, blocks, plan, device or torch.device("cpu"), grouped_experts, keep_low, skipped,
+                           converted)
+    else:
+        note = _convert_float8(model, plan, keep_low)
+    logger.info(f"model.fp8: recipe {plan.recipe}, {len(converted)} {'layers' if plan.mx else 'linear layers'} in "
+                f"{'mxfp8' if plan.mx else 'float8'}{note}"
                 + (f"; kept in high precision: {'; '.join(f'{k} ({v})' for k, v in skipped.items())}"
                    if skipped else ""))
     return skipped
+
+
+def _convert_float8(model: nn.Module, plan: Fp8Plan, keep_low: Callable[[nn.Module, str], bool]) -> str:
+    """torchao's Float8Linear for every linear `keep_low` accepts; returns the log line's note."""
+    ao_float8 = _torchao_float8()
+    config = ao_float8.Float8LinearConfig.from_recipe_name(plan.recipe)
+    if plan.fsdp_float8_all_gather:
+        config = dataclasses.replace(config, enable_fsdp_float8_all_gather=True)
+    ao_float8.convert_to_float8_training(model, config=config, module_filter_fn=keep_low)
+    return ", float8 FSDP all-gather" if plan.fsdp_float8_all_gather else ""
+
+
+def _convert_mx(model: nn.Module, blocks: list[nn.Module], plan: Fp8Plan, device: torch.device,
+                grouped_experts: bool, keep_low: Callable[[nn.Module, str], bool], skipped: dict[str, str],
+                converted: list[str]) -> str:
+    """torchao's MXFP8 weight wrapper on the linears `keep_low` accepts and on the experts; returns the note."""
+    _torchao_float8()  # the one "needs torchao" refusal
+    kernel = mx_kernel(plan, device)
+    experts = expert_modules(blocks)
+    chosen: set[int] = set()
+    for fqn, module in model.named_modules():
+        if id(module) in experts:
+            reason = expert_skip_reason(fqn, module, plan, grouped_experts)
+            (skipped.__setitem__(fqn, reason) if reason else converted.append(fqn))
+            ok = reason is None
+        else:
+            ok = isinstance(module, nn.Linear) and keep_low(module, fqn)
+        if ok:
+            chosen.add(id(module))
+    swap_mx_weights(model, chosen, plan, kernel)
+    return ", GEMMs emulated (dequantized, then high precision)" if kernel == "emulated" else ", torchao's MXFP8 GEMMs"

@@ -295,7 +295,8 @@ def build_parallel_model(inputs: ModelInputs, cfg: Config, dims: ParallelDims, l
     fp8 = fp8_plan(cfg.model.fp8)
     if fp8 is not None:  # float8 linears before tensor parallel, checkpointing, compile and FSDP wrap them
         check_fp8_layout(fp8, dims.tp, launch.backend)
-        convert_to_fp8(model, model_spec(inputs).plan.blocks(model), fp8)
+        convert_to_fp8(model, model_spec(inputs).plan.blocks(model), fp8, device=launch.device,
+                       grouped_experts=kernels.expert_gemm == "grouped")
     model, pipeline = parallelize_model(model, model_spec(inputs), parallel_options(cfg), dims, launch.device,
                                         seed=seed, precision=precision, grad_reduce=kernels.grad_reduce)
     args = model_args(inputs, launch.device.type, attn_backend=kernels.attention)

@@ -22,7 +22,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from ...utils.transfer import to_device
-from ..layers import Linear, linear
+from ...errors import ConfigError
+from ..layers import Linear, linear, weight_subclass
 from .router import local_tensor
 
 _GROUPED_OK: dict[tuple[str, torch.dtype], bool] = {}
@@ -92,6 +93,9 @@ class GroupedExperts(nn.Module):
             return rows.new_zeros(0, rows.shape[1], dtype=_compute_dtype(rows)) + zero
         if self.gemm == "grouped" and self._grouped_fits(rows, w1):
             return self._grouped(rows, counts, w1, w3, w2)
+        if weight_subclass(w1):  # a low-precision wrapper (model.fp8 mxfp8) overrides the grouped GEMM only
+            raise ConfigError(f"model.fp8: the experts' weights are {type(w1).__name__}, which only the grouped GEMM "
+                              f"honours, but these rows ({tuple(rows.shape)}, {rows.dtype}) take the per-expert loop")
         return self._loop(rows, counts, w1, w3, w2)
 
     def _grouped_fits(self, rows: torch.Tensor, w1: torch.Tensor) -> bool:
@@ -112,7 +116,8 @@ class GroupedExperts(nn.Module):
             x = rows.to(dtype)
             h1 = torch._grouped_mm(x, w1.to(dtype).transpose(-2, -1), offs=offs)
             h3 = torch._grouped_mm(x, w3.to(dtype).transpose(-2, -1), offs=offs)
-            return torch._grouped_mm(F.silu(h1) * h3, w2.to(dtype).transpose(-2, -1), offs=offs)
+            # .to(dtype): a low-precision grouped GEMM may return its own dtype (torchao's MXFP8: bf16)
+            return torch._grouped_mm(F.silu(h1) * h3, w2.to(dtype).transpose(-2, -1), offs=offs).to(dtype)
 
     @staticmethod
     def _loop(rows: torch.Tensor, counts: list[int], w1: torch.Tensor, w3: torch.Tensor,
