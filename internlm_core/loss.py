@@ -130,7 +130,8 @@ class _ChunkedCrossEntropy(torch.autograd.Function):
             return _scale_stored_gradient(ctx, grad, grad_losses.float() * inverse), None, None
         # fp32 stores (softmax - one_hot) / count: the factor is (incoming gradient) * count, which for the mean (and a
         # power-of-two loss scale or micro_num) is a power of two up to the rounding of 1 / count: snapped to it, so
-        # that the mean's gradient is the stored one, rounded once, and the others are exact multiples of it
+        # that the mean's gradient is the stored one, rounded once, and the others are exact multiples of it (any other
+        # factor, as token_mean's count * S * D / N mostly is, stays; one within 1e-6 of a power of two moves by that)
         factor = _snap_to_powers_of_two(grad_losses.double() * count.double())
         return _scale_stored_gradient(ctx, grad, factor.float()), None, None
 
@@ -176,7 +177,8 @@ class LossSide:
 
 
 class FlashGPTLMLoss(nn.Module):
-    """Mean cross entropy over tokens whose label is not -100: `loss, side = loss_fn(logits, labels)`.
+    """Mean cross entropy over tokens whose label is not -100: `loss, side = loss_fn(logits, labels)`. The loss
+    contract's token_mean (loss_norm.py) takes the sum as this mean times the count, on the device (`part`).
 
     `kernel` is the decision of `numerics.select_kernels` (see numerics/kernels.py): "flash" (flash-attn's
     Triton kernel, in-place backward), "fused_chunked" / "fused_chunked_compiled" (`_ChunkedCrossEntropy`, no

@@ -334,6 +334,8 @@ def _check_choices(cfg: Config) -> None:
         raise ConfigError(f"lr_scheduler.warmup_ratio: expected a fraction in [0, 1], got {cfg.lr_scheduler.warmup_ratio}")
     if not 0.0 <= cfg.loss.label_smoothing < 1.0:
         raise ConfigError(f"loss.label_smoothing: expected a value in [0, 1), got {cfg.loss.label_smoothing}")
+    if cfg.loss.reduction not in ("token_mean", "micro_batch_mean"):
+        raise ConfigError(f"loss.reduction: expected token_mean or micro_batch_mean, got {cfg.loss.reduction!r}")
     bad = [t for t in cfg.monitor.trackers if t not in TRACKERS]
     if bad:
         raise ConfigError(f"monitor.trackers: unknown {bad}; expected any of {', '.join(TRACKERS)}")

@@ -255,6 +255,7 @@ class LossConfig:
 
     label_smoothing: float = f(0.0, "Label smoothing of the cross entropy.")
     moe_loss_coeff: float = f(0.01, "Weight of the MoE load-balancing loss (InternEvo's key); MoE families only.")
+    reduction: str = f("token_mean", "What the step's loss averages (internlm_core/loss_norm.py): token_mean (the sum of the per-token losses of the whole global batch, all data-parallel ranks and micro-batches, divided by the number of its counted tokens (labels != -100): every token weighs the same whatever the packing) or micro_batch_mean (InternLM's and InternEvo's loss: the mean over the global batch's micro-batches of each one's token mean; for a run continued from theirs whose curves are compared). The families' auxiliary losses (MoE) are the same under both.")
 
 
 @dataclass

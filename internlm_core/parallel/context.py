@@ -3,9 +3,10 @@
 
 The ranks of one context group read the same rows. Each cuts every row of T tokens into 2C chunks and keeps
 chunks r and 2C-1-r (equal causal work per rank), with the labels, positions, dataset types and per-token document
-ids of those tokens, on the host. The loss of a rank is the mean over its chunk's tokens times its share of the
-micro-batch's counted tokens (`loss_share`, loss_norm.context_share), so that the ranks' losses sum to the whole
-micro-batch's mean, as one rank computes it (the loss contract: loss_norm.py).
+ids of those tokens, on the host. The ranks' terms of the loss sum to the whole micro-batch's, as one rank computes
+it (the loss contract: loss_norm.py): under token_mean each chunk's term is its loss sum (no share needed); under
+micro_batch_mean the mean over its chunk's tokens times its share of the micro-batch's counted tokens
+(`loss_share`, loss_norm.context_share).
 """
 
 from __future__ import annotations
@@ -49,7 +50,7 @@ class ContextCut:
     [rows, T / size], `document_ids` [rows, T / size] instead of cu_seqlens (and `row_document_ids` [rows, T], all
     on the host, which the model's layout reads without exchanging the chunks' ids or waiting for the device), and
     `loss_share`: the chunk's counted tokens (labels != -100) over the micro-batch's, the factor of this rank's
-    mean loss."""
+    mean loss under loss.reduction micro_batch_mean (token_mean needs none)."""
 
     size: int
     rank: int

@@ -42,14 +42,15 @@ def split_model(model: nn.Module, plan: ParallelPlan, pp_rank: int, pp_size: int
 def stack_micro_batches(mbs: list[dict]) -> dict:
     """The schedule's inputs: the micro-batches concatenated along rows (it splits them again), with per-token
     document ids instead of one cu_seqlens per micro-batch (under context parallel the chunk's own ids, which its
-    cut made), and `loss_shares`: each micro-batch's context-parallel loss share in order (None without CP), which the
-    criterion looks up by the index the micro-batch's target carries (`micro_batch_target`)."""
+    cut made), and `loss_shares`: each micro-batch's context-parallel loss share in order (fp32 on the host, 1.0
+    without CP; micro_batch_mean's factor, loss_norm.py), which the criterion looks up by the index the
+    micro-batch's target carries (`micro_batch_target`)."""
     out = {k: torch.cat([mb[k] for mb in mbs]) for k in ("input_ids", "labels", "position_ids", "type_ids")}
     # kept on the host, where the model reads the attention layout without waiting for the device
     out["document_ids"] = torch.cat([mb["document_ids"] if "document_ids" in mb else
                                      document_ids_from_cu_seqlens(mb["cu_seqlens"], *mb["input_ids"].shape)
                                      for mb in mbs])
-    out["loss_shares"] = [mb["loss_share"] for mb in mbs] if "loss_share" in mbs[0] else None
+    out["loss_shares"] = torch.tensor([mb.get("loss_share", 1.0) for mb in mbs], dtype=torch.float32)
     return out
 
 

@@ -34,6 +34,7 @@ class LoopConfig:
     clip_grad_norm: float
     dtype: str                 # model.dtype (autocast)
     label_smoothing: float
+    loss_reduction: str        # loss.reduction: token_mean or micro_batch_mean (loss_norm.py)
     vocab_parallel_loss: bool  # tensor parallel with parallel_output: logits stay vocabulary-sharded
     validate_at_end: bool = False  # data.valid_every > 0 or a valid_folder: validate once more after the last step
     # a simulated job (train.py --simulate): fake peers deliver garbage gradients; step anyway, so that the
@@ -49,7 +50,7 @@ class LoopConfig:
                    micro_num=d.micro_num, packed_length=d.packed_length,
                    valid_every=0 if simulated else d.valid_every,
                    clip_grad_norm=cfg.hybrid_zero_optimizer.clip_grad_norm, dtype=cfg.model.dtype,
-                   label_smoothing=cfg.loss.label_smoothing,
+                   label_smoothing=cfg.loss.label_smoothing, loss_reduction=cfg.loss.reduction,
                    vocab_parallel_loss=tp > 1 and cfg.model.parallel_output,
                    validate_at_end=not simulated and (d.valid_every > 0 or d.valid_folder is not None),
                    simulated=simulated)

@@ -154,8 +154,8 @@ class Trainer:
                             f"another tokenizer?")
 
     def forward_backward(self, batch: dict, forward_only: bool = False) -> torch.Tensor:
-        """Run all micro-batches; returns the mean loss over them (a detached scalar; under pipeline
-        parallel 0 on ranks without the last stage)."""
+        """Run all micro-batches; returns this rank's part of the step's loss (loss_norm.py's `rank_loss`: a
+        detached scalar; under pipeline parallel 0 on ranks without the last stage)."""
         n = batch["input_ids"].shape[0]
         scale = self.grad_scaler.scale if (self.grad_scaler is not None and not forward_only) else 1.0
         with self.loss_context():
@@ -166,7 +166,8 @@ class Trainer:
             return self._forward_backward(batch, n, scale, forward_only)
 
     def _forward_backward(self, batch: dict, n: int, scale: float, forward_only: bool) -> torch.Tensor:
-        total, norm = torch.zeros((), device=self.device), LossNormalizer(n, self.dims.dp, self.dims.cp)
+        total, norm = torch.zeros((), device=self.device), LossNormalizer.of_step(
+            self.loop.loss_reduction, n, self.dims, batch["labels"], self.device)  # N before the first backward
         hook, fire, view = self.metric_hook, self.callbacks.fire, self.view()
         for i, mb in enumerate(self._micro_batches(batch, n)):
             last = i == n - 1
@@ -182,7 +183,7 @@ class Trainer:
                 fire("on_before_criterion", view)
                 with hook.phase("cal_loss"):
                     loss, side = (self.loss_fn if fused is None else self.loss_fn.fused)(logits, mb["labels"])
-                loss = norm.weighted(loss, mb.get("loss_share"))  # context parallel: the chunk's part of the mean
+                loss = norm.part(loss, mb["labels"], mb.get("loss_share"))  # the chunk's term of the step's loss
                 fire("on_after_criterion", view)
             logits = logits.detach()
             hook.record(logits, mb["labels"], mb["type_ids"], side.token_losses, side.predictions)
@@ -209,24 +210,24 @@ class Trainer:
     def _pipeline_forward_backward(self, batch: dict, n: int, scale: float) -> torch.Tensor:
         """One step through torch.distributed.pipelining: the last stage computes each micro-batch's loss, feeds
         the metrics and backpropagates it normalized as above (the schedule divides nothing)."""
-        total, norm = torch.zeros((), device=self.device), LossNormalizer(n, self.dims.dp, self.dims.cp)
+        total, norm = torch.zeros((), device=self.device), LossNormalizer.of_step(
+            self.loop.loss_reduction, n, self.dims, batch["labels"], self.device)  # N before the first backward
         hook, fire, view = self.metric_hook, self.callbacks.fire, self.view()
         from ..parallel.pipeline import stack_micro_batches  # torch.distributed.pipelining: pipeline runs only
         x = stack_micro_batches(list(self._micro_batches(batch, n)))
-        # each micro-batch's loss share, looked up on the device by the index its target carries (1.0 without CP)
-        shares = to_device(torch.tensor(x["loss_shares"] or [1.0] * n, dtype=torch.float32, device="cpu"), self.device)
+        shares = to_device(x["loss_shares"], self.device)  # micro_batch_mean: looked up by the index of the target
 
         def criterion(logits: torch.Tensor, labels: torch.Tensor, type_ids: torch.Tensor, index: torch.Tensor,
                       record: bool) -> torch.Tensor:
             if not record:  # torch's metadata inference: its gradients are discarded, no metrics
-                return norm.weighted(self.loss_fn(logits, labels)[0], shares[index]) * norm.backward_factor(scale)
+                return norm.part(self.loss_fn(logits, labels)[0], labels, shares[index]) * norm.backward_factor(scale)
             fire("on_before_criterion", view)
             with hook.phase("cal_loss"):
                 loss, side = self.loss_fn(logits, labels)
             fire("on_after_criterion", view)
             hook.record(logits.detach(), labels, type_ids, side.token_losses, side.predictions)
             fire("on_micro_batch_end", view, logits.detach(), labels, type_ids, side.token_losses, side.predictions)
-            loss = norm.weighted(loss, shares[index])
+            loss = norm.part(loss, labels, shares[index])
             total.add_(loss.detach())
             return loss * norm.backward_factor(scale)
 
@@ -262,9 +263,8 @@ class Trainer:
         return finite, v
 
     def _reduce_loss(self, loss: torch.Tensor, read: bool = True) -> float | torch.Tensor:
-        """The mean loss over the global batch: averaged over data-parallel ranks (context ranks hold parts of it,
-        summed); under pipeline parallel only the last stage holds it (the others contribute 0 to the sum over
-        "pp_dp"). A float, or with `read=False` a device scalar (no host read)."""
+        """The step's loss L (loss_norm.py): the ranks' parts summed over "pp_dp" (under pipeline parallel the last
+        stage's; the others hold 0) and divided by dp. A float, or with `read=False` a device scalar (no host read)."""
         if self.dims.pp_dp > 1:
             loss = loss.clone()
             collectives.all_reduce(loss, op=dist.ReduceOp.SUM, group=self.dims.group("pp_dp"))
