@@ -109,11 +109,13 @@ def check_context(cfg: Any, world_size: Optional[int]) -> None:
     if kv % a2a and a2a % kv:
         raise ConfigError(f"parallel.context: mode {c.mode} over {a2a} ranks and {kv} key/value heads per "
                           f"tensor-parallel rank: one must divide the other")
-    own = [d.key for d in get_model_spec(cfg.model_type).plan.mesh_dims]
-    if own:
-        raise ConfigError(f"parallel.context.size > 1 with model_type {cfg.model_type}: not implemented for a family "
-                          f"with parallel dimensions of its own ({', '.join(own)}; MoE routing capacity and the "
-                          f"auxiliary losses are per rank's tokens)")
+    # an MoE family (one with dimensions of its own): its routing statistics, aux losses and expert-bias loads are
+    # reduced over the context ranks (model/moe), but a capacity is a count of each forward's own tokens
+    moe = bool(get_model_spec(cfg.model_type).plan.mesh_dims)
+    if moe and "dropless" not in str(m.moe_type).lower() and cfg.moe.drop_tokens:
+        raise ConfigError(f"parallel.context.size > 1 with model.moe_type {m.moe_type} and moe.drop_tokens=True: an "
+                          f"expert's capacity would be counted over each rank's chunk of the sequences, not over the "
+                          f"sequences as one rank routes them; use model.moe_type Dropless or moe.drop_tokens=False")
     if world_size is not None and world_size % (p.tensor * p.pipeline * c.size):
         raise ConfigError(f"world size {world_size} is not divisible by parallel.tensor * parallel.pipeline * "
                           f"parallel.context.size ({p.tensor} * {p.pipeline} * {c.size})")

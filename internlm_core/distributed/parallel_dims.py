@@ -13,13 +13,16 @@ from ..config.schema import ParallelConfig
 from ..errors import ConfigError
 
 # the flattened meshes: name -> what its ranks are. A mesh dimension joins those its declaration (`Axis.joins`)
-# names; each is built from the dimensions that join it, in mesh order, and exists whatever their sizes.
+# names; each is built from the dimensions that join it, in mesh order, and exists whatever their sizes (one that no
+# dimension of the layout joins, dp_shard_rest_cp without a family's dimensions, does not exist).
 FLATTENED = {
     "dp": "the data-parallel ranks: each reads its own rows (the loaders' ranks)",
     "dp_shard": "the sharded data-parallel ranks (a mesh dimension of its own unless a family carves dimensions out)",
     "dp_shard_cp": "the ranks FSDP shards parameters over: all that hold the same parameters, less the replicas",
     "dp_cp": "the ranks gradients are averaged over (the loss contract's D)",
     "pp_dp": "the ranks whose losses and metrics together cover the global batch once",
+    "dp_shard_rest_cp": "the ranks FSDP shards the modules a family's dimension sharded over (experts): the sharded "
+                        "data-parallel ranks its dimensions leave, x context (only with a family's dimensions)",
 }
 _DATA = ("dp", "dp_shard_cp", "dp_cp", "pp_dp")  # what a data-parallel shard dimension joins
 
@@ -85,23 +88,29 @@ class ParallelDims:
     @property
     def axes(self) -> tuple[Axis, ...]:
         """The mesh's dimensions in rank order (the last varies fastest), every one declared whatever its size:
-        pipeline, data replicate, data shard (or what is left of it and the family's dimensions carved out of
-        it), context, tensor. Tensor-parallel peers are neighbours, then context peers (on one node under NCCL)."""
-        if self.extra:
-            shard = (Axis("dp_shard_rest", self.dp_shard_rest, ("dp_shard", *_DATA)),
-                     *(Axis(n, s, ("dp_shard", *_DATA)) for n, s in self.extra))
-        else:
-            shard = (Axis("dp_shard", self.dp_shard, _DATA),)
+        pipeline, data replicate, data shard, context, tensor; with a family's dimensions pipeline, data replicate,
+        what is left of the data shard, context, the family's dimensions carved out of the data shard, tensor.
+        Tensor-parallel peers are neighbours, then context peers (the family's, with a family's dimensions; on one
+        node under NCCL)."""
+        outer = (Axis("pp", self.pp, ("pp_dp",)), Axis("dp_replicate", self.dp_replicate, ("dp", "dp_cp", "pp_dp")))
         # context ranks read the same rows and hold the same parameters: FSDP shards over them, gradients and
         # losses are reduced over them, but they are not data-parallel ranks
-        return (Axis("pp", self.pp, ("pp_dp",)), Axis("dp_replicate", self.dp_replicate, ("dp", "dp_cp", "pp_dp")),
-                *shard, Axis("cp", self.cp, ("dp_shard_cp", "dp_cp", "pp_dp")), Axis("tp", self.tp))
+        if not self.extra:
+            return (*outer, Axis("dp_shard", self.dp_shard, _DATA),
+                    Axis("cp", self.cp, ("dp_shard_cp", "dp_cp", "pp_dp")), Axis("tp", self.tp))
+        # a family's dimension shards its modules (experts) over the other data ranks x context, "dp_shard_rest_cp":
+        # one block of the mesh ahead of the family's dimensions (DTensor slices mesh dimensions in order only), so
+        # the context axis comes before them here (with a family's dimension of size 1 or cp 1, the same ranks)
+        return (*outer, Axis("dp_shard_rest", self.dp_shard_rest, ("dp_shard", "dp_shard_rest_cp", *_DATA)),
+                Axis("cp", self.cp, ("dp_shard_cp", "dp_shard_rest_cp", "dp_cp", "pp_dp")),
+                *(Axis(n, s, ("dp_shard", *_DATA)) for n, s in self.extra), Axis("tp", self.tp))
 
     def flattened(self) -> dict[str, tuple[str, ...]]:
         """{flattened mesh: the mesh dimensions it spans, in mesh order}, from the declarations (`axes`); a name
         that is a mesh dimension itself ("dp_shard" without a family's dimensions) is not flattened again."""
         axes, names = self.axes, {a.name for a in self.axes}
-        return {flat: tuple(a.name for a in axes if flat in a.joins) for flat in FLATTENED if flat not in names}
+        joined = {flat: tuple(a.name for a in axes if flat in a.joins) for flat in FLATTENED if flat not in names}
+        return {flat: dims for flat, dims in joined.items() if dims}  # dp_shard_rest_cp: a family's layout only
 
     def flat_size(self, name: str) -> int:
         """The number of ranks of a mesh dimension or flattened mesh (1 when the layout does not have it)."""
@@ -161,10 +170,11 @@ class ParallelDims:
         return self.dp // self.dp_shard
 
     def build_mesh(self, device_type: str) -> Optional[DeviceMesh]:
-        """The mesh of every declared dimension (`axes`: "pp", "dp_replicate", "dp_shard" -- or "dp_shard_rest" and
-        the family's own --, "cp", "tp"; size 1 when off), rank = (((pp * dp_replicate + r) * dp_shard + s) * cp + c)
-        * tp + t, with every flattened mesh (FLATTENED: "dp", "pp_dp", "dp_shard_cp", "dp_cp" and, with a family's
-        dimensions, "dp_shard"). The same ranks in the same order whatever the sizes. None for one process."""
+        """The mesh of every declared dimension (`axes`: "pp", "dp_replicate", "dp_shard", "cp", "tp" -- or
+        "dp_shard_rest", "cp", the family's own, "tp" --; size 1 when off), rank = (((pp * dp_replicate + r) *
+        dp_shard + s) * cp + c) * tp + t without a family's dimensions, with every flattened mesh (FLATTENED: "dp",
+        "pp_dp", "dp_shard_cp", "dp_cp" and, with a family's dimensions, "dp_shard" and "dp_shard_rest_cp"). The
+        same ranks in the same order whatever the sizes. None for one process."""
         if self.world_size == 1 or not dist.is_initialized():
             return None
         if dist.get_world_size() != self.world_size:

@@ -48,8 +48,9 @@ def apply_fsdp(blocks: list[nn.Module], roots: list[nn.Module], dims: ParallelDi
 
 
 def _data_mesh(dims: ParallelDims, shard: str):
-    """The data-parallel mesh FSDP shards over: `shard` ("dp_shard_cp": dp_shard x context, or "dp_shard_rest" for
-    the modules a family's own dimension sharded), with the replicas as an outer dimension (HSDP)."""
+    """The data-parallel mesh FSDP shards over: `shard` ("dp_shard_cp": dp_shard x context, or "dp_shard_rest" /
+    "dp_shard_rest_cp" for the modules a family's own dimension sharded), with the replicas as an outer dimension
+    (HSDP)."""
     if dims.dp_replicate > 1:
         return dims.mesh["dp_replicate", shard]
     return dims.submesh(shard)
@@ -73,14 +74,14 @@ def even_shard_placement(shards: int) -> Callable[[nn.Parameter], Optional[Shard
 def apply_fsdp_to_dim_modules(modules: list[nn.Module], dims: ParallelDims, reshard_after_forward: bool = True,
                               mp_policy: Optional[MixedPrecisionPolicy] = None) -> None:
     """FSDP for the modules a family's own dimension sharded (model.MeshDim), before the blocks that hold them:
-    sharded over the remaining data-parallel ranks only (their parameters already differ along the family's
-    dimension), their gradients averaged over every data-parallel rank (the forward combined the family
-    dimension's tokens, so each gradient already sums its ranks' contributions: FSDP divides by the loss contract's
-    D = dp (context parallel is refused with a family's dimension), not by the ranks it reduces over; sums with
-    separate scaling, which every backend supports)."""
+    sharded over the remaining data-parallel ranks x the context ranks ("dp_shard_rest_cp"; their parameters
+    already differ along the family's dimension, and context ranks hold the same ones), their gradients averaged
+    over every data x context rank (the forward combined the family dimension's tokens, so each gradient already
+    sums its ranks' contributions: FSDP divides by the loss contract's D = dp x cp, not by the ranks it reduces
+    over; sums with separate scaling, which every backend supports)."""
     if not modules:
         return
-    mesh = _data_mesh(dims, "dp_shard_rest")
+    mesh = _data_mesh(dims, "dp_shard_rest_cp" if dims.cp > 1 else "dp_shard_rest")
     mp = mp_policy or MixedPrecisionPolicy()
     placement = even_shard_placement(mesh.size(-1))
     for module in modules:

@@ -63,8 +63,8 @@ def test_internevo_sequence_2d_is_mode_2d_with_inner_head_size():
     (["parallel.context=8"], r"world size 4 is not divisible by parallel.tensor \* parallel.pipeline \* "
                              r"parallel.context.size \(1 \* 1 \* 8\)"),
     (["parallel.context=2", "model_type=INTERNLM_MoE", "model.num_experts=4"],
-     r"parallel.context.size > 1 with model_type INTERNLM_MoE: not implemented for a family with parallel "
-     r"dimensions of its own \(expert"),
+     r"parallel.context.size > 1 with model.moe_type GShard and moe.drop_tokens=True: an expert's capacity would "
+     r"be counted over each rank's chunk"),
 ])
 def test_impossible_splits_are_one_clear_error(overrides, message):
     with pytest.raises(ConfigError, match=message) as e:

@@ -11,7 +11,8 @@
     shared_experts           optional dense SwiGLU mixed in by a learned 2-way coefficient (InternEvo's residual MoE)
                              or added (DeepSeek's shared experts: shared_expert_mix "sum")
     aux losses               aux_loss_coeff * l_aux + z_loss_coeff * l_z reach the gradient through the output
-                             (aux_loss.py), scaled by set_aux_loss_scale
+                             (aux_loss.py), scaled by set_aux_loss_scale; under context parallel (`context`)
+                             those of the whole sequences (sequence.py: one all-reduce per forward)
 
 Parameters (names fixed; the model family maps foreign names onto them):
     gate.weight [E, h]; gate.expert_bias [E] fp32 buffer, persistent, when expert_bias_update_rate > 0;
@@ -42,6 +43,7 @@ from .aux_loss import attach_aux_loss
 from .dispatch import combine, exchange_counts, run_expert_parallel, sort_pairs
 from .experts import GroupedExperts, SharedExperts
 from .router import Router, Routing, route
+from .sequence import sequence_sum
 from .stats import MoEStats, StatsAccumulator, stats_of
 
 
@@ -72,6 +74,8 @@ class MoEFeedForward(nn.Module):
             if args.shared_expert_mix == "coefficient":
                 self.coefficient = Linear(hidden_size, 2, bias=True)
         self.ep_group, self.ep_size, self.ep_rank = None, 1, 0
+        # context parallel (model/context's set_context_parallel sets it): the aux losses are summed over its ranks
+        self.context = None
         self.last_stats: Optional[MoEStats] = None
         self._step_stats = StatsAccumulator()
         self._load: Optional[torch.Tensor] = None  # pairs per expert since the last update_expert_bias (training)
@@ -118,7 +122,8 @@ class MoEFeedForward(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, x.shape[-1])
-        routing = route(self.gate(flat), self.args, self.training, self.gate.expert_bias)
+        routing = route(self.gate(flat), self.args, self.training, self.gate.expert_bias,
+                        sequence_sum(self.context))
         pairs = sort_pairs(routing, self.args.num_experts)
         # the layer's one host sync: the row counts (with expert parallel the sent and received ones, one copy)
         splits = exchange_counts(pairs.counts, self.ep_group, self.ep_size) if self.ep_size > 1 else None

@@ -27,12 +27,15 @@ The formulas, following InternEvo's `internlm/model/moe/gshard_layer.py` (DeepSp
   and fused top-k: `ce` from mask1 / masks[0]); Dropless: f_e = (all k choices routed to e) / (S k) (InternEvo
   dropless `load_balancing_loss`). For k == 1 both agree.
 - l_z = mean over tokens of logsumexp(logits)^2 (ST-MoE router z-loss).
+- under context parallel (`over`: sequence.py's SequenceSum) the sums behind P_e, f_e, l_z and the token count
+  are summed over the ranks holding the other chunks of the sequences first: l_aux and l_z are the whole
+  sequences'.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 import torch.nn as nn
@@ -165,8 +168,24 @@ def load_balancing_loss(probs: torch.Tensor, experts: torch.Tensor, tokens_per_e
     return E * torch.sum(probs.mean(dim=0) * f)
 
 
-def route(logits: torch.Tensor, args: MoEArgs, training: bool, bias: Optional[torch.Tensor] = None) -> Routing:
-    """The routing of S tokens from their fp32 logits [S, E] (see the module docstring for every formula)."""
+def aux_losses_over(probs: torch.Tensor, logits: torch.Tensor, experts: torch.Tensor,
+                    tokens_per_expert: torch.Tensor, capacity_bounded: bool,
+                    over: Callable[[torch.Tensor], torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """(l_aux, l_z) of the whole sequences whose chunks the ranks of `over` hold: one sum of [probabilities per
+    expert, counts per expert, z-loss sum, tokens] over them, then the module docstring's formulas."""
+    S, E = probs.shape
+    counts = expert_counts(experts[:, 0], E) if capacity_bounded else tokens_per_expert
+    z = torch.logsumexp(logits, dim=-1).square().sum()
+    sums = over(torch.cat([probs.sum(dim=0), counts.to(probs.dtype), z.view(1), probs.new_full((1,), float(S))]))
+    tokens = sums[-1]
+    f = sums[E:2 * E] / (tokens if capacity_bounded else tokens * experts.shape[1])
+    return E * torch.sum(sums[:E] / tokens * f), sums[2 * E] / tokens
+
+
+def route(logits: torch.Tensor, args: MoEArgs, training: bool, bias: Optional[torch.Tensor] = None,
+          over: Optional[Callable[[torch.Tensor], torch.Tensor]] = None) -> Routing:
+    """The routing of S tokens from their fp32 logits [S, E] (see the module docstring for every formula); `over`:
+    the sum over the context ranks (context parallel: the aux losses of the whole sequences), None: these tokens'."""
     S, E = logits.shape
     k = args.top_k
     scores = torch.softmax(logits, dim=-1) if args.score_func == "softmax" else torch.sigmoid(logits)
@@ -184,6 +203,9 @@ def route(logits: torch.Tensor, args: MoEArgs, training: bool, bias: Optional[to
     if args.routed_scaling_factor != 1.0:
         weights = weights * args.routed_scaling_factor
     probs = scores if args.score_func == "softmax" else scores / scores.sum(dim=-1, keepdim=True)
-    l_aux = load_balancing_loss(probs, experts, tokens_per_expert, args.capacity_bounded)
-    l_z = torch.logsumexp(logits, dim=-1).square().mean()
+    if over is not None:
+        l_aux, l_z = aux_losses_over(probs, logits, experts, tokens_per_expert, args.capacity_bounded, over)
+    else:
+        l_aux = load_balancing_loss(probs, experts, tokens_per_expert, args.capacity_bounded)
+        l_z = torch.logsumexp(logits, dim=-1).square().mean()
     return Routing(experts, weights, keep, tokens_per_expert, l_aux, l_z, capacity)
