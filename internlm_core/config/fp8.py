@@ -102,3 +102,22 @@ def fp8_plan(value: Any) -> Optional[Fp8Plan]:
     if not isinstance(least, int) or isinstance(least, bool) or least < 16:
         raise ConfigError(f"model.fp8.min_features: expected an integer >= 16, got {least!r}")
     return Fp8Plan(recipe, gather, tuple(fqns), least)
+
+
+ROUTING_NAMES = ("gate", "router", "coefficient")  # module names (last component) of MoE routing: high precision
+
+
+def linear_skip_reason(name: str, in_features: int, out_features: int, plan: Fp8Plan) -> Optional[str]:
+    """Why a linear of the transformer blocks named `name` stays in high precision (None: converted), by the
+    module docstring's rule; parallel/float8.py applies it to modules, estimate/lowp.py to a family's counts."""
+    if name.rsplit(".", 1)[-1] in ROUTING_NAMES:
+        return "MoE routing"
+    if any(s in name for s in plan.filter_fqns):
+        return "model.fp8.filter_fqns"
+    dims = (in_features, out_features)
+    if any(d % plan.alignment for d in dims):
+        return f"features {dims} not multiples of {plan.alignment}"
+    if min(dims) < plan.min_features:
+        return f"features {dims} below min_features {plan.min_features}"
+    return None
+

@@ -20,6 +20,7 @@ from .communication import fsdp_communication
 from .figures import (DEFAULT_MFU, DEFAULT_PEAK_TFLOPS, GiB, PRECISIONS, Communication, Estimate, Layout,
                       cuda_runtime_bytes)
 from .memory import StageContext, pick_stage
+from .lowp import apply_low_precision
 from .terms import ModelFigures, divisor
 
 
@@ -167,6 +168,7 @@ def estimate(cfg: Config, world_size: int = 1, precision: str = "internlm_core",
     if device == "cuda":
         e.device_runtime = cuda_runtime_bytes(lay)
     e.notes = notes(e, c, acts.in_flight, pipeline_rank)
+    apply_low_precision(e, c, acts, tb.shared, pipeline_rank)  # model.fp8, optimizer.name="muon"
     return e
 
 

@@ -104,15 +104,17 @@ class Memory:
     gemm_copies: float = 0.0     # CPU without native 16-bit GEMM: fp32 operands of the largest linear's backward
     root_reduce: float = 0.0     # FSDP: the end of backward (the root's gradients reduced) above the peak before it
     runtime: float = 0.0         # CPU: the process itself (Python, torch, the data pipeline), as measured
+    fp8_casts: float = 0.0       # model.fp8: the float8 operands and scales of the largest converted linear
     stage: str = ""
 
     ORDER = ("parameters", "gradients", "optimizer", "weight_copies", "fsdp_gathered", "accumulated_gradients",
-             "activations", "loss_peak", "gemm_copies", "root_reduce", "runtime")
+             "activations", "loss_peak", "gemm_copies", "root_reduce", "runtime", "fp8_casts")
     LABELS = {"parameters": "parameters", "gradients": "gradients", "optimizer": "optimizer state",
               "weight_copies": "16-bit weight copies", "fsdp_gathered": "FSDP gathered",
               "accumulated_gradients": "accumulated gradients", "activations": "activations",
               "loss_peak": "loss transients", "gemm_copies": "fp32 GEMM copies (CPU)",
-              "root_reduce": "root gradient reduce", "runtime": "process itself (CPU)"}
+              "root_reduce": "root gradient reduce", "runtime": "process itself (CPU)",
+              "fp8_casts": "float8 casts"}
 
     @property
     def states(self) -> float:
@@ -168,6 +170,9 @@ class Estimate:
     token_bytes: Any = None
     stage_layers: int = 0
     checkpointed: int = 0
+    # model.fp8 / optimizer.name="muon" (estimate/lowp.py): the block's figures, Muon's all-gather bytes per step
+    low_precision: Any = None
+    muon_gather_bytes: float = 0.0
 
     @property
     def step_time(self) -> float:

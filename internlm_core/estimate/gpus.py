@@ -28,13 +28,15 @@ class GpuSpec:
     nvlink_gbs: float
     network_gbs: float
     node_gpus: int = 8
+    fp8_tflops: float = 0.0  # dense float8 (e4m3) GEMMs, 2x bf16 on Hopper; 0: none (torch._scaled_mm needs SM 8.9)
+    mxfp8: bool = False      # MXFP8 block-scaled GEMMs (SM >= 10.0)
 
 
 def _gpu(name: str, device_name: str, arch: str, memory_gib: float, hbm: float, nvlink: float,
-         network: float) -> GpuSpec:
+         network: float, fp8: float = 0.0) -> GpuSpec:
     peak = gpu_peak_flops(device_name, torch.bfloat16)
     assert peak is not None, device_name  # the table below only names GPUs utils/peak.py knows
-    return GpuSpec(name, arch, peak / 1e12, memory_gib, hbm, nvlink, network)
+    return GpuSpec(name, arch, peak / 1e12, memory_gib, hbm, nvlink, network, fp8_tflops=fp8 * peak / 1e12)
 
 
 # Sources (NVIDIA datasheets; NVLink figures are the total of both directions there, halved here):
@@ -42,11 +44,13 @@ def _gpu(name: str, device_name: str, arch: str, memory_gib: float, hbm: float, 
 #     400 Gb/s NDR InfiniBand port per GPU (50 GB/s per direction).
 #   H200 SXM 141 GB: 989 TFLOP/s dense bf16 (the H100's tensor cores), HBM3e 4.8 TB/s, NVLink 4 900 GB/s;
 #     DGX H200: 400 Gb/s NDR per GPU.
+#   H100 / H200 SXM: 1,979 TFLOP/s dense FP8 (e4m3 / e5m2), twice bf16; no MXFP8 (block-scaled) GEMMs, which
+#     need Blackwell (SM 10.0).
 #   A100 SXM4 80 GB: 312 TFLOP/s dense bf16, HBM2e 2,039 GB/s, NVLink 3 600 GB/s; DGX A100: one 200 Gb/s HDR
 #     InfiniBand port per GPU (25 GB/s per direction).
 GPUS = {
-    "h100": _gpu("H100 SXM 80GB", "H100 SXM", "hopper", 80, 3350, 450, 50),
-    "h200": _gpu("H200 SXM 141GB", "H200", "hopper", 141, 4800, 450, 50),
+    "h100": _gpu("H100 SXM 80GB", "H100 SXM", "hopper", 80, 3350, 450, 50, fp8=2.0),
+    "h200": _gpu("H200 SXM 141GB", "H200", "hopper", 141, 4800, 450, 50, fp8=2.0),
     "a100": _gpu("A100 SXM 80GB", "A100 SXM", "ampere", 80, 2039, 300, 25),
 }
 

@@ -39,6 +39,9 @@ class StageContext:
     recomputed: float
     head_activations: float
     figures: ModelFigures
+    fp8_gathered: float = 0.0   # bytes the float8 all-gather saves per gathered block (estimate/lowp.py)
+    muon_matrices: float = 0.0  # elements of the stage's Muon matrices one device keeps (one buffer, not two)
+    fp8_casts: float = 0.0      # the transient float8 operands of the largest converted linear (estimate/lowp.py)
 
     @property
     def fsdp_mp(self) -> bool:
@@ -90,11 +93,12 @@ def fsdp_gathered(c: StageContext, root: float, forward_first: bool) -> float:
     if c.precision != "internlm_core" or c.lay.dp_shard <= 1:
         return 0.0
     w, block = c.gathered_itemsize, c.figures.block_local
+    wb = w * block - c.fp8_gathered  # one gathered block's bytes (converted weights in 1 byte: float8 all-gather)
     if c.lay.pp > 1:
         kept_input = 0 if forward_first else 4 * (root or block)
-        regather = 0 if forward_first else w * max(block, root)
-        return w * (c.layers * block + root) + kept_input + regather
-    return w * (2 * block + root) + 4 * block
+        regather = 0 if forward_first else max(wb, w * root)
+        return wb * c.layers + w * root + kept_input + regather
+    return 2 * wb + w * root + 4 * block
 
 
 def fp32_gemm_transient(out_dim: float, in_dim: float, tokens: int) -> float:
@@ -154,7 +158,8 @@ def stage_memory(c: StageContext, name: str, act: float, first: bool, last: bool
     if c.precision == "internlm_core":  # fp32 parameters, gradients and AdamW moments, sharded by FSDP
         mem.parameters = 4 * shard
         mem.gradients = 0.0 if forward_first else 4 * shard
-        mem.optimizer = 8 * shard
+        mem.optimizer = 8 * shard - 4 * c.muon_matrices  # Muon: one momentum buffer per hidden matrix
+        mem.fp8_casts = c.fp8_casts
         mem.weight_copies = weight_copies(c, last)
         if c.keeps_unsharded:  # every gradient unsharded in fp32 until the last micro-batch's reduction
             mem.accumulated_gradients = 4 * (held - shard)

@@ -51,6 +51,7 @@ from ..numerics.precision import resolve_precision
 from ..utils.accelerators import NOT_INSTALLED, WORKING
 from .figures import Estimate
 from .gpus import EFFICIENCY, GpuSpec
+from .lowp import fp8_flops_per_token, low_precision_terms
 from .terms import divisor
 
 ATTENTION_BACKWARD_FLOPS = 2.5   # FA2's backward: five matmuls against the forward's two
@@ -162,7 +163,9 @@ def compute_terms(e: Estimate, gpu: GpuSpec, k: SpeedKernels) -> dict[str, float
     layers, recomputed = e.stage_layers, e.checkpointed
     dense, expert, attn, head = _flops_per_token(e)
     expert_eff = eff["expert_grouped" if k.expert_gemm == "grouped" else "expert_loop"]
-    gemm_fwd = tokens * layers * dense / (peak * eff["gemm"])
+    converted = fp8_flops_per_token(e, gpu)  # model.fp8: the converted dense GEMMs, at the float8 rate
+    gemm_fwd = tokens * layers * ((dense - converted) / (peak * eff["gemm"])
+                                  + converted / (gpu.fp8_tflops * 1e12 * eff["gemm"] or 1.0))
     expert_fwd = tokens * layers * expert / (peak * expert_eff)
     attn_fwd, attn_bwd = (tokens * layers * t for t in _attention_seconds(e, gpu, k, attn))
     hbm = gpu.hbm_gbs * 1e9 * eff["hbm"]
@@ -221,6 +224,7 @@ def predict(e: Estimate, gpu: GpuSpec, kernels: Optional[SpeedKernels] = None) -
     lay = e.layout
     terms["pipeline bubble"] = compute * (lay.pp - 1) / (lay.num_chunks * e.cfg.data.micro_num)
     terms.update(communication_terms(e, gpu, k, compute, terms["attention"]))
+    terms.update(low_precision_terms(e, gpu))  # model.fp8's casts, Muon's gathers and Newton-Schulz
     notes = [f"kernels: attention {k.attention}"
              + (f", context-parallel core {k.context}" if k.context != "none" else "")
              + (f", expert GEMMs {k.expert_gemm}" if k.expert_gemm != "none" else ""),

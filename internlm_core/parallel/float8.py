@@ -18,7 +18,7 @@ from typing import Any, Callable, Iterable, Optional
 import torch
 import torch.nn as nn
 
-from ..config.fp8 import Fp8Plan
+from ..config.fp8 import Fp8Plan, linear_skip_reason
 from ..errors import ConfigError
 from ..utils.logging import get_logger
 from .mxfp8 import expert_modules, expert_skip_reason, mx_kernel, swap_mx_weights
@@ -26,23 +26,13 @@ from .mxfp8 import expert_modules, expert_skip_reason, mx_kernel, swap_mx_weight
 __all__ = ["convert_to_fp8", "skip_reason", "check_fp8_layout"]
 
 logger = get_logger(__name__)
-_ROUTING = ("gate", "router", "coefficient")
 
 
 def skip_reason(name: str, module: nn.Linear, in_blocks: bool, plan: Fp8Plan) -> Optional[str]:
     """Why linear `name` stays in high precision (None: it is converted), by config/fp8.py's written rule."""
     if not in_blocks:
         return "outside the transformer blocks (output head)"
-    if name.rsplit(".", 1)[-1] in _ROUTING:
-        return "MoE routing"
-    if any(s in name for s in plan.filter_fqns):
-        return "model.fp8.filter_fqns"
-    dims = (module.in_features, module.out_features)
-    if any(d % plan.alignment for d in dims):
-        return f"features {dims} not multiples of {plan.alignment}"
-    if min(dims) < plan.min_features:
-        return f"features {dims} below min_features {plan.min_features}"
-    return None
+    return linear_skip_reason(name, module.in_features, module.out_features, plan)
 
 
 def _torchao_float8() -> Any:
