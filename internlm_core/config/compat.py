@@ -21,6 +21,7 @@ from typing import Any, Callable, Optional
 from ..errors import ConfigError
 from .context import context_forms
 from .moe_compat import moe_forms
+from .mtp import mtp_forms
 from .schema import Config
 
 # InternEvo's parallel.tensor modes and InternLM develop's spellings of them → (sequence parallel, what it means)
@@ -296,6 +297,7 @@ def _model(raw: dict, notes: CompatNotes) -> None:
     if not isinstance(model, dict):
         return
     model = raw["model"] = dict(model)
+    mtp_forms(model, notes.mapped)  # DeepSeek's num_nextn_predict_layers, Megatron's mtp_* -> model.mtp
     if "no_bias" in model:
         no_bias = model.pop("no_bias")
         if model.get("qkv_bias") is None:

@@ -19,6 +19,7 @@ from ..model.spec import get_model_spec
 from ..utils.redact import drop_redacted, redact_tree, register_tree
 from .ckpt_names import CKPT_TYPE_ALIASES, CKPT_TYPES, CONTENTS
 from .fp8 import fp8_plan
+from .mtp import check_mtp
 from .recompute import checkpoint_plan, fused_head_of
 from .compat import normalize
 from .context import check_context
@@ -324,6 +325,7 @@ def _check_choices(cfg: Config) -> None:
                           f"got {m.dtype!r}")
     checkpoint_plan(m.checkpoint)  # True, False, "full", "selective" or a fraction; ConfigError naming the key
     fused_head_of(cfg)  # model.fused_head_loss: True, False or "auto"; True refused where it cannot run
+    check_mtp(m, cfg.parallel.tensor)  # model.mtp: its value, and tensor parallel refused
     fp8_plan(m.fp8)  # model.fp8: off, a torchao recipe name or torchtitan's float8 dict; ConfigError naming the key
     if cfg.adam.fused not in ("auto", "torch", "apex"):
         raise ConfigError(f"adam.fused: expected auto, torch or apex, got {cfg.adam.fused!r}")

@@ -6,6 +6,7 @@ from __future__ import annotations
 from typing import Union
 
 from ..errors import ConfigError
+from ..model.mtp import mtp_settings
 
 POLICIES = ("full", "selective")
 
@@ -47,8 +48,14 @@ def fused_head_enabled(setting: Union[bool, str], vocab: int, tokens: int, pipel
 
 
 def fused_head_of(cfg) -> bool:
-    """`fused_head_enabled` of a Config."""
+    """`fused_head_enabled` of a Config; model.mtp (whose depths apply the output layer inside the model): True
+    refused in one line, "auto" off."""
     p, d = cfg.parallel, cfg.data
+    if mtp_settings(cfg.model.mtp).on and cfg.model.fused_head_loss in (True, "auto"):
+        if cfg.model.fused_head_loss is True:
+            raise ConfigError("model.fused_head_loss: not with model.mtp (its depths apply the output layer inside "
+                              "the model); set it False or \"auto\"")
+        return False
     return fused_head_enabled(cfg.model.fused_head_loss, cfg.model.vocab_size // max(1, p.tensor),
                               d.micro_bsz * d.seq_len // max(1, p.context.size), p.pipeline, p.tensor,
                               p.sequence_parallel)

@@ -100,6 +100,7 @@ class ModelConfig:
     sliding_window: Optional[int] = f(None, "Sliding-window attention: each token attends to at most this many tokens of its document, itself included (Mistral); None: the whole document.")
     window_layers: Optional[list] = f(None, "The layers (indices) model.sliding_window applies to, the others attending to the whole document (Qwen2/Qwen3's max_window_layers, transformers' layer_types); None: every layer.")
     rope_scaling: Optional[dict] = f(None, "Rotary frequency scaling, InternLM2's / transformers' spelling: dict(type=\"linear\" or \"dynamic\", factor=f) (dynamic NTK takes original_max_position_embeddings, default data.seq_len: no change) or dict(rope_type=\"llama3\", factor, low_freq_factor, high_freq_factor, original_max_position_embeddings); None: none.")
+    mtp: Optional[Union[int, dict]] = f(None, "Multi-token prediction (DeepSeek-V3's MTP, model/mtp.py): dict(depth=D, loss_weight=w) (or D alone; loss_weight default 0.3): D extra modules on the last stage, depth k predicting the token k + 1 ahead from the previous depth's hidden state and the embedding of the token k ahead through one block of the family, the shared embedding and output layer; their loss, the mean over depths of each one's cross entropy, counts w times in the trained loss and is reported as mtp_loss. Also spelled model.num_nextn_predict_layers (DeepSeek) and model.mtp_num_layers / mtp_loss_scaling_factor (Megatron). None / 0: off. Not with tensor parallel nor the fused head.")
 
 
 @dataclass

@@ -7,6 +7,7 @@ from typing import Any, Iterable, Mapping
 
 from ..errors import ConfigError
 from ..model.counts import Linear, ModelCounts, Parameters, Term
+from ..model.mtp import mtp_counts
 from .figures import Layout
 
 
@@ -78,10 +79,10 @@ class ModelFigures:
 
     @classmethod
     def resolve(cls, spec: Any, args: Any, lay: Layout, seq_len: int) -> "ModelFigures":
-        counts = spec.counts
-        if counts is None:
+        if spec.counts is None:
             raise ConfigError(f"model_type {spec.name}: the family gives no counts (ModelSpec.counts), so it "
                               f"cannot be estimated")
+        counts = mtp_counts(spec.counts)  # model.mtp's depths on the head side (none without depths)
         block, embedding, head = counts.block(args), counts.embedding(args), counts.head(args)
         total = spec.num_parameters(args) if spec.num_parameters is not None else \
             sum(counts.block(a).count for a in counts.layer_args(args)) + embedding.count + head.count

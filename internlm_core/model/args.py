@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Optional
 
+from .mtp import mtp_settings
+
 
 @dataclass
 class ModelArgs:
@@ -33,6 +35,7 @@ class ModelArgs:
     window_layers: Optional[tuple] = None     # the layers sliding_window applies to (None: every layer)
     rope_scaling: Optional[dict] = None       # linear / dynamic / llama3 frequency scaling (model.rope_scaling)
     attention_head_dim: Optional[int] = None  # None: hidden_size / num_heads (Qwen3: 128 whatever the width)
+    mtp_depth: int = 0                        # multi-token prediction depths (model.mtp, model/mtp.py); 0: off
 
     @property
     def head_dim(self) -> int:
@@ -63,7 +66,7 @@ def args_from_model_config(m: Any, seq_len: int, attn_backend: str = "sdpa") -> 
         qk_norm=bool(m.qk_norm), sliding_window=m.sliding_window,
         window_layers=tuple(int(i) for i in m.window_layers) if m.window_layers is not None else None,
         rope_scaling=dict(m.rope_scaling) if m.rope_scaling else None,
-        attention_head_dim=m.head_dim,
+        attention_head_dim=m.head_dim, mtp_depth=mtp_settings(m.mtp).depth,
     )
 
 
@@ -76,7 +79,8 @@ def analytic_parameter_count(a: ModelArgs) -> int:
     per_layer = attn + ffn + 2 * h
     embed = a.vocab_size * h
     head = 0 if a.tie_word_embeddings else a.vocab_size * h
-    return a.num_layers * per_layer + embed + head + h
+    mtp = a.mtp_depth * (per_layer + 2 * h * h + 3 * h)  # model.mtp: a block, eh_proj and 3 norms per depth
+    return a.num_layers * per_layer + embed + head + h + mtp
 
 
 def flops_per_token(a: ModelArgs, seq_len: int) -> int:
@@ -91,4 +95,6 @@ def flops_per_token(a: ModelArgs, seq_len: int) -> int:
         n += a.vocab_size * a.hidden_size
     keys = min(seq_len, a.sliding_window) if a.sliding_window else seq_len  # a query sees at most the window
     windowed = a.num_layers if a.window_layers is None else len(set(a.window_layers))  # the others see seq_len
-    return 6 * n + 12 * a.num_heads * a.head_dim * (windowed * keys + (a.num_layers - windowed) * seq_len)
+    n += a.mtp_depth * a.vocab_size * a.hidden_size  # model.mtp: each depth multiplies the shared output layer
+    return 6 * n + 12 * a.num_heads * a.head_dim * (windowed * keys + (a.num_layers - windowed) * seq_len
+                                                   + a.mtp_depth * keys)  # the depths' blocks: as windowed ones

@@ -19,6 +19,7 @@ import torch.nn as nn
 from ..distributed.parallel_dims import ParallelDims
 from ..loss_norm import context_share
 from ..model import document_ids_from_cu_seqlens
+from ..model.mtp import MTP_KEYS
 from ..utils.logging import get_logger
 
 logger = get_logger(__name__)
@@ -70,11 +71,14 @@ class ContextCut:
     def __call__(self, mb: dict) -> dict:
         rows, seq_len = mb["input_ids"].shape
         idx = self.indices(seq_len)
-        out = {k: mb[k][:, idx].contiguous() for k in ROW_KEYS}
+        out = {k: mb[k][:, idx].contiguous() for k in ROW_KEYS + MTP_KEYS if k in mb}  # model.mtp: its targets too
         docs = document_ids_from_cu_seqlens(mb["cu_seqlens"], rows, seq_len)
         out["document_ids"] = docs[:, idx].contiguous()
         out["row_document_ids"] = docs  # the whole rows': the layout needs no exchange of the chunks' ids
         out["loss_share"] = context_share(out["labels"], mb["labels"])
+        if "mtp_labels" in mb:  # model.mtp (micro_batch_mean): each depth's share of its counted targets
+            out["mtp_shares"] = [context_share(out["mtp_labels"][..., k], mb["mtp_labels"][..., k])
+                                 for k in range(mb["mtp_labels"].shape[-1])]
         return out
 
     @staticmethod

@@ -45,7 +45,8 @@ def stack_micro_batches(mbs: list[dict]) -> dict:
     cut made), and `loss_shares`: each micro-batch's context-parallel loss share in order (fp32 on the host, 1.0
     without CP; micro_batch_mean's factor, loss_norm.py), which the criterion looks up by the index the
     micro-batch's target carries (`micro_batch_target`)."""
-    out = {k: torch.cat([mb[k] for mb in mbs]) for k in ("input_ids", "labels", "position_ids", "type_ids")}
+    out = {k: torch.cat([mb[k] for mb in mbs]) for k in ("input_ids", "labels", "position_ids", "type_ids")
+           + tuple(k for k in ("mtp_ids", "mtp_labels") if k in mbs[0])}  # model.mtp: its depths' ids and labels
     # kept on the host, where the model reads the attention layout without waiting for the device
     out["document_ids"] = torch.cat([mb["document_ids"] if "document_ids" in mb else
                                      document_ids_from_cu_seqlens(mb["cu_seqlens"], *mb["input_ids"].shape)
@@ -191,14 +192,17 @@ class PipelineParallel:
         return self._criterion(self._logits(logits), *split_target(target), record)
 
     def train_step(self, input_ids: torch.Tensor, labels: torch.Tensor, type_ids: torch.Tensor,
-                   position_ids: torch.Tensor, document_ids: torch.Tensor, criterion: Criterion) -> None:
+                   position_ids: torch.Tensor, document_ids: torch.Tensor, criterion: Criterion,
+                   **model_inputs: torch.Tensor) -> None:
         """Forward and backward of `micro_num` micro-batches (all inputs [micro_num * rows, T], split along
         dim 0); on the last stage `criterion(logits, labels, type_ids, index, record)` gives the loss to
         backpropagate for micro-batch `index` (a 0-dim device tensor), already normalized: the schedule divides
-        nothing. `record` is False for torch's metadata-inference call (`_Stage.inferring`): no metrics from it."""
+        nothing. `record` is False for torch's metadata-inference call (`_Stage.inferring`): no metrics from it.
+        model_inputs: more keyword inputs of every stage, split along dim 0 likewise (model.mtp's mtp_ids)."""
         self._criterion, self._calls = criterion, 0
         self.schedule.step(input_ids, target=micro_batch_target(labels, type_ids, self.micro_num),
-                           return_outputs=False, position_ids=position_ids, document_ids=document_ids)
+                           return_outputs=False, position_ids=position_ids, document_ids=document_ids,
+                           **model_inputs)
         self._criterion = None
         if self.is_last and self._calls != self.micro_num:
             raise RuntimeError(f"torch {torch.__version__}: the pipeline schedule computed {self._calls} micro-batch "

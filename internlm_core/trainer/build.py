@@ -46,6 +46,7 @@ from ..callbacks import CallbackList, TrainerCallback
 from ..checkpoint import CheckpointManager, Checkpointer, RNGState, build_spike_rewind
 from ..checkpoint.hf_export import build_hf_exporter
 from .evaluation import build_evaluator
+from .mtp import build_mtp_loss, check_family_mtp
 from .hooks import SchedulerMetricHook
 from .state import BatchSkipper, TrainState
 from .parts import LoopConfig, TrainLoader
@@ -283,7 +284,8 @@ def build_trainer(cfg: Config, launch: LaunchInfo, run_dir: Path, seed: Optional
         callbacks=CallbackList([*observers, restart, *(extra_callbacks or [])]), rewinder=rewinder,
         hf_export=build_hf_exporter(cfg, model, ckpt),
         replicas=build_replicas(cfg, launch, ckpt, state),  # parallel.fault_tolerance: joins the quorum (None: off)
-        evaluator=evaluator, context=ContextCut.of(dims))
+        evaluator=evaluator, context=ContextCut.of(dims),
+        mtp=build_mtp_loss(cfg, model, build_loss(cfg, kernels), dims, launch.device))  # model.mtp (None: off)
 
 
 def build_parallel_model(inputs: ModelInputs, cfg: Config, dims: ParallelDims, launch: LaunchInfo, seed: int,
@@ -291,6 +293,7 @@ def build_parallel_model(inputs: ModelInputs, cfg: Config, dims: ParallelDims, l
     """(model, pipeline, args): built on the meta device, then split, sharded and only then materialized (no rank
     holds the whole model), by the family's plan."""
     model = build_model(inputs, "meta", attn_backend=kernels.attention)
+    check_family_mtp(cfg.model, cfg.model_type, model)  # model.mtp on: the family's module built its depths
     n_params = count_parameters(model)
     fp8 = fp8_plan(cfg.model.fp8)
     if fp8 is not None:  # float8 linears before tensor parallel, checkpointing, compile and FSDP wrap them

@@ -7,6 +7,15 @@ from dataclasses import dataclass
 from typing import Iterator, Protocol, runtime_checkable
 
 from ..config import Config
+from ..errors import DataError
+
+
+def check_vocab(batch: dict, vocab_size: int, step: int) -> None:
+    """DataError naming batch `step` when a token id of `batch` lies outside the model's vocabulary."""
+    vmax = int(batch["input_ids"].max())
+    if vmax >= vocab_size or int(batch["input_ids"].min()) < 0:
+        raise DataError(f"batch {step}: token id {vmax} is outside the model's vocabulary [0, {vocab_size}) "
+                        f"(model.vocab_size); was the data tokenized with another tokenizer?")
 
 
 @runtime_checkable

@@ -16,7 +16,6 @@ import torch.distributed as dist
 from torch.distributed.tensor.parallel import loss_parallel
 
 from ..distributed.parallel_dims import ParallelDims
-from ..errors import DataError
 from ..loss import FlashGPTLMLoss
 from ..loss_norm import LossNormalizer
 from ..metrics import AccPerplex, Throughput
@@ -38,7 +37,8 @@ from ..parallel.fault_tolerance import ReplicaGroups
 from ..parallel.context import ROW_KEYS, ContextCut
 from . import replicated
 from .hooks import SchedulerMetricHook
-from .parts import LoopConfig, TrainLoader
+from .mtp import MTP_KEYS, MTPLoss, model_extras
+from .parts import LoopConfig, TrainLoader, check_vocab
 from .readout import StepValues, read_step
 from .state import BatchSkipper, TrainState
 from .validation import eval_outputs, validation_metrics
@@ -93,6 +93,7 @@ class Trainer:
     replicas: Optional[ReplicaGroups] = None  # parallel.fault_tolerance: this rank's replica groups (torchft)
     evaluator: Optional[TaskEvaluator] = None  # evaluation.tasks (trainer/evaluation.py); None without tasks
     context: Optional[ContextCut] = None   # context parallel: this rank's zigzag chunk of every row
+    mtp: Optional[MTPLoss] = None          # model.mtp: the depths' targets, loss terms and mtp_loss (trainer/mtp.py)
     requests: StepRequests = field(default_factory=StepRequests)  # what observers ask of this step (save, stop)
     last_metrics: dict = field(default_factory=dict)
     _step_end: float = 0.0  # perf_counter at the end of the last step: the start of the next step's time
@@ -135,23 +136,17 @@ class Trainer:
             rows = batch["input_ids"][i].numel() // seq_len
             mb = {k: batch[k][i].view(rows, seq_len) for k in ROW_KEYS}
             mb["cu_seqlens"] = batch["cu_seqlens"][i]
+            mb = self.mtp.targets(batch, i, mb, seq_len) if self.mtp is not None else mb  # whole rows, before any cut
             if self.context is not None:
                 mb = self.context(mb)  # document_ids stay on the host, where the model reads the layout
-            yield {k: to_device(v, self.device) if k in ROW_KEYS else v for k, v in mb.items()}
+            yield {k: to_device(v, self.device) if k in ROW_KEYS + MTP_KEYS else v for k, v in mb.items()}
 
     def _forward(self, mb: dict) -> torch.Tensor:
         """The model on one micro-batch: its documents as cu_seqlens, or per-token ids under context parallel."""
         if "document_ids" in mb:  # context parallel: the whole rows' ids (host), which no rank has to exchange
             return self.model(mb["input_ids"], mb["position_ids"],
-                              document_ids=mb.get("row_document_ids", mb["document_ids"]))
-        return self.model(mb["input_ids"], mb["position_ids"], mb["cu_seqlens"])
-
-    def _check_vocab(self, batch: dict) -> None:
-        vmax = int(batch["input_ids"].max())
-        if vmax >= self.loop.vocab_size or int(batch["input_ids"].min()) < 0:
-            raise DataError(f"batch {self.state.batch_count}: token id {vmax} is outside the model's vocabulary "
-                            f"[0, {self.loop.vocab_size}) (model.vocab_size); was the data tokenized with "
-                            f"another tokenizer?")
+                              document_ids=mb.get("row_document_ids", mb["document_ids"]), **model_extras(mb))
+        return self.model(mb["input_ids"], mb["position_ids"], mb["cu_seqlens"], **model_extras(mb))
 
     def forward_backward(self, batch: dict, forward_only: bool = False) -> torch.Tensor:
         """Run all micro-batches; returns this rank's part of the step's loss (loss_norm.py's `rank_loss`: a
@@ -184,6 +179,7 @@ class Trainer:
                 with hook.phase("cal_loss"):
                     loss, side = (self.loss_fn if fused is None else self.loss_fn.fused)(logits, mb["labels"])
                 loss = norm.part(loss, mb["labels"], mb.get("loss_share"))  # the chunk's term of the step's loss
+                mtp = self.mtp.term(norm, mb["mtp_labels"], mb.get("mtp_shares")) if self.mtp is not None else 0.0
                 fire("on_after_criterion", view)
             logits = logits.detach()
             hook.record(logits, mb["labels"], mb["type_ids"], side.token_losses, side.predictions)
@@ -195,7 +191,7 @@ class Trainer:
                 fire("on_before_backward", view)
                 self.family.before_backward(self.model, norm.aux_factor(scale))
                 with hook.phase("bwd"):
-                    (loss * norm.backward_factor(scale)).backward()
+                    ((loss + mtp) * norm.backward_factor(scale)).backward()
                 fire("on_after_backward", view)
         return norm.rank_loss(total)
 
@@ -228,13 +224,14 @@ class Trainer:
             hook.record(logits.detach(), labels, type_ids, side.token_losses, side.predictions)
             fire("on_micro_batch_end", view, logits.detach(), labels, type_ids, side.token_losses, side.predictions)
             loss = norm.part(loss, labels, shares[index])
+            mtp = self.mtp.term_at(norm, x, index) if self.mtp is not None else 0.0  # model.mtp's depths
             total.add_(loss.detach())
-            return loss * norm.backward_factor(scale)
+            return (loss + mtp) * norm.backward_factor(scale)
 
         self.family.before_backward(self.model, norm.aux_factor(scale))
         with self.autocast(), hook.phase("fwd_bwd"):
             self.pipeline.train_step(x["input_ids"], x["labels"], x["type_ids"], x["position_ids"],
-                                     x["document_ids"], criterion)
+                                     x["document_ids"], criterion, **model_extras(x))
         return norm.rank_loss(total)
 
     def optimizer_step(self) -> tuple[bool, float]:
@@ -313,6 +310,7 @@ class Trainer:
         if self.context is not None:
             metrics.update(self.context.step_metrics())
         metrics.update(self.family.step_metrics(self.model, self.dims.group("dp_cp") if self.dims.dp_cp > 1 else None))
+        metrics.update(self.mtp.step_metrics(self.dims) if self.mtp is not None else {})  # mtp_loss
         if self.replicas is not None:
             metrics.update(self.replicas.step_metrics())  # ft/participants, ft/quorum_time, ...
         return metrics
@@ -344,7 +342,7 @@ class Trainer:
                     self.timers.pop()
                     self._step_end = time.perf_counter()
                     continue
-                self._check_vocab(batch)
+                check_vocab(batch, loop.vocab_size, st.batch_count)
                 metrics = self.train_step(batch, t_start)
                 if metrics is None:  # the replica groups did not commit: the same batch, under a new quorum
                     attempt.restore(st, self.train_loader)

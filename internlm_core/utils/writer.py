@@ -13,8 +13,8 @@ from .redact import redact_tree
 logger = get_logger(__name__)
 
 # the order of the console line; other keys follow alphabetically
-_CONSOLE_ORDER = ("step", "loss", "lr", "grad_norm", "tgs", "tflops", "mfu", "acc", "ppl", "num_consumed_tokens",
-                  "inf_nan_skip_batches", "loss_scale", "step_time", "fwd", "bwd")
+_CONSOLE_ORDER = ("step", "loss", "mtp_loss", "lr", "grad_norm", "tgs", "tflops", "mfu", "acc", "ppl",
+                  "num_consumed_tokens", "inf_nan_skip_batches", "loss_scale", "step_time", "fwd", "bwd")
 _CONSOLE_SKIP_PREFIXES = ("acc/", "loss/", "ppl/", "time/")
 
 

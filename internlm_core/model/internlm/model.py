@@ -23,6 +23,7 @@ from ..attention import PackedMeta, attention, build_packed_meta
 from ..context import ContextGroup, local_positions
 from ..init import init_parameters
 from ..layers import Linear, RMSNorm, apply_rotary, rotary_tables
+from ..mtp import MultiTokenPrediction, build_mtp, carry, embed_depths, uncarry
 
 
 class Attention(nn.Module):
@@ -103,18 +104,24 @@ class Transformer(nn.Module):
         super().__init__()
         self.args = a
         self.tok_embeddings: Optional[nn.Embedding] = nn.Embedding(a.vocab_size, a.hidden_size)
-        self.layers = nn.ModuleDict({str(i): TransformerBlock(a, self.make_feed_forward(a, i))
-                                     for i in range(a.num_layers)})
+        self.layers = nn.ModuleDict({str(i): self.make_block(a, i) for i in range(a.num_layers)})
         self.norm: Optional[RMSNorm] = RMSNorm(a.hidden_size, a.norm_eps, a.use_fp32_norm)
         self.output: Optional[nn.Linear] = Linear(a.hidden_size, a.vocab_size, bias=False)
         if a.tie_word_embeddings:
             self.output.weight = self.tok_embeddings.weight
         self.rope = Rotary(a)  # a module of its own: pipeline chunks share it (and its materialized tables)
+        # model.mtp (model/mtp.py): depth k's block is the family's block number num_layers + k; None when off
+        self.mtp: Optional[MultiTokenPrediction] = build_mtp(a, lambda k: self.make_block(a, a.num_layers + k))
         # context parallel (model/context, set by set_context_parallel): forward then takes the rank's zigzag
         # chunk of every row (ids, position_ids, document_ids [B, T/C]); None: whole rows
         self.context: Optional[ContextGroup] = None
         if self.rope.cos.device.type != "meta":  # built directly on a device: usable at once
             self.init_weights()
+
+    def make_block(self, a: ModelArgs, layer: int) -> nn.Module:
+        """Block `layer`: the TransformerBlock with `make_feed_forward`'s FFN (a family with another attention,
+        DeepSeek-V3's latent attention, returns its own block with the same names and call)."""
+        return TransformerBlock(a, self.make_feed_forward(a, layer))
 
     def make_feed_forward(self, a: ModelArgs, layer: int) -> Optional[nn.Module]:
         """The FFN of block `layer`; None: the dense SwiGLU (a mixture-of-experts family returns its MoE layer)."""
@@ -135,7 +142,8 @@ class Transformer(nn.Module):
             full.normal_(0.0, self.args.init_std, generator=generator)
 
     def forward(self, input_ids: torch.Tensor, position_ids: Optional[torch.Tensor] = None,
-                cu_seqlens: Optional[torch.Tensor] = None, document_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
+                cu_seqlens: Optional[torch.Tensor] = None, document_ids: Optional[torch.Tensor] = None,
+                mtp_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
         """input_ids [B, T] → logits [B, T, V]; on a later pipeline stage the input is the previous stage's
         hidden states (under sequence parallel [B, T / tensor, hidden]) and position_ids are required.
 
@@ -144,6 +152,8 @@ class Transformer(nn.Module):
         or document_ids: [B, T] the document of each token (see attention.py).
         Under context parallel (`self.context`) each [B, T] input is the rank's zigzag chunk [B, T/C] of the rows
         (document_ids, not cu_seqlens) and the logits are the chunk's.
+        mtp_ids [B, T, D]: model.mtp's token ids of each depth (mtp.mtp_targets); the depths' logits are left in
+        `self.mtp.pending`, and a pipeline stage hands the depths' embeddings on with its hidden states (mtp.py).
         """
         if position_ids is None:
             if self.tok_embeddings is None:
@@ -159,6 +169,9 @@ class Transformer(nn.Module):
                 h = s * h + (1.0 - s) * h.detach()
         else:
             h = input_ids
+        h, carried = uncarry(h, self.args.hidden_size)  # a later stage: the depths' embeddings the first one sent
+        if mtp_ids is not None and self.tok_embeddings is not None and self.args.mtp_depth:
+            carried = embed_depths(self.tok_embeddings, mtp_ids)
         cos = self.rope.cos[position_ids].unsqueeze(2)
         sin = self.rope.sin[position_ids].unsqueeze(2)
         window, some = self.args.sliding_window, self.args.window_layers
@@ -168,6 +181,10 @@ class Transformer(nn.Module):
             cu_seqlens, B, T, self.args.attn_backend, h.device, document_ids, window=window, context=self.context)
         for i, layer in self.layers.items():  # window_layers: the window on those layers only (Qwen's)
             h = layer(h, cos, sin, windowed if some is None or int(i) in some else meta)
+        if self.mtp is not None and carried is not None:  # the depths see the main model's h before its final norm
+            self.mtp.pending = self.mtp(h, carried, self.output, lambda block, x: block(x, cos, sin, windowed))
+        elif self.output is None:  # a stage before the last
+            h = carry(h, carried)
         if self.norm is not None:
             h = self.norm(h)
         if self.output is not None:

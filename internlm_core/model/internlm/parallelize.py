@@ -30,6 +30,7 @@ from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInp
 from torch.distributed.tensor.parallel.style import ParallelStyle
 
 from ...errors import ConfigError
+from ..mtp import mtp_blocks
 from ..parallel_styles import HeadShardedNorm, ReplicateParallel, VocabParallelEmbedding, stage_layers
 from ..spec import ParallelPlan, StageShapes, TensorParallelOptions
 
@@ -124,6 +125,7 @@ def split_stages(model: nn.Module, stage_ids: list[int], num_stages: int) -> tup
     if num_stages - 1 not in stage_ids:
         model.norm = None
         model.output = None
+        model.mtp = None  # model.mtp's depths run on the last stage (their embeddings come with the hidden states)
     if len(stage_ids) == 1:
         return model, [model]
     return model, [_chunk_view(model, s, num_stages, [n for n, t in owned.items() if t == s]) for s in stage_ids]
@@ -139,6 +141,7 @@ def _chunk_view(model: nn.Module, stage: int, num_stages: int, layer_names: list
     last = stage == num_stages - 1
     chunk.norm = model.norm if last else None
     chunk.output = model.output if last else None
+    chunk.mtp = model.mtp if last else None
     chunk.rope = model.rope  # shared: materializing the model materializes the chunks' tables too
     chunk.context = model.context  # None: the pipeline refuses context parallel (config/rules.py)
     return chunk
@@ -148,7 +151,8 @@ def stage_io(args: Any, stage: int, num_stages: int, sh: StageShapes) -> tuple[t
     """One micro-batch in and out of a stage: token ids into the first, hidden states [rows, T (/ tp under
     sequence parallel), hidden] between stages, logits [rows, T, V (/ tp with parallel_output)] out of the last."""
     tokens = sh.seq_len // sh.tp if sh.sequence_parallel else sh.seq_len
-    hidden = torch.empty(sh.rows, tokens, args.hidden_size, dtype=sh.hidden_dtype, device="meta")
+    width = args.hidden_size * (1 + args.mtp_depth)  # model.mtp: the depths' embeddings travel with h (model/mtp.py)
+    hidden = torch.empty(sh.rows, tokens, width, dtype=sh.hidden_dtype, device="meta")
     x = torch.empty(sh.rows, sh.seq_len, dtype=torch.long, device="meta") if stage == 0 else hidden
     if stage < num_stages - 1:
         return x, hidden
@@ -156,5 +160,5 @@ def stage_io(args: Any, stage: int, num_stages: int, sh: StageShapes) -> tuple[t
     return x, torch.empty(sh.rows, sh.seq_len, vocab, dtype=sh.logits_dtype, device="meta")
 
 
-PLAN = ParallelPlan(blocks=lambda model: list(model.layers.values()),
+PLAN = ParallelPlan(blocks=lambda model: list(model.layers.values()) + mtp_blocks(model),
                     apply_tensor_parallel=apply_tensor_parallel, split_stages=split_stages, stage_io=stage_io)

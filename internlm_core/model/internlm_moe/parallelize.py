@@ -26,6 +26,7 @@ from torch.distributed.tensor.parallel.style import ParallelStyle
 from ...errors import ConfigError
 from ..internlm.parallelize import apply_tensor_parallel, block_plan, split_stages, stage_io
 from ..moe import MoEFeedForward
+from ..mtp import mtp_blocks
 from ..parallel_styles import ReplicateParallel
 from ..spec import MeshDim, MeshDimContext, ModelInputs, ParallelPlan, TensorParallelOptions
 
@@ -45,7 +46,7 @@ def shard_experts(model: nn.Module, ctx: MeshDimContext) -> list[nn.Module]:
     """Every MoE layer of `model` (this pipeline stage's) keeps its share of the experts; returns the experts'
     modules (FSDP shards them over the data-parallel ranks that remain)."""
     sharded = []
-    for block in model.layers.values():
+    for block in list(model.layers.values()) + mtp_blocks(model):  # model.mtp's blocks too
         ffn = block.feed_forward
         if not isinstance(ffn, MoEFeedForward):
             continue
@@ -99,5 +100,6 @@ def apply_moe_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, options: Te
 EXPERT_PARALLEL = MeshDim(name="ep", key="expert", apply=shard_experts, resolve=resolve_expert_parallel,
                           description="experts sharded over data-parallel ranks")
 
-MOE_PLAN = ParallelPlan(blocks=lambda model: list(model.layers.values()), split_stages=split_stages,
+MOE_PLAN = ParallelPlan(blocks=lambda model: list(model.layers.values()) + mtp_blocks(model),
+                        split_stages=split_stages,
                         stage_io=stage_io, apply_tensor_parallel=apply_moe_tensor_parallel, mesh_dims=(EXPERT_PARALLEL,))
