@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Iterable, Mapping
 
 from ..errors import ConfigError
@@ -60,6 +60,45 @@ def matrices(linears: Iterable[Linear]) -> list[Term]:
     return [Term(w.name, w.elements, w.shard) for w in linears]
 
 
+# A stack of blocks of several kinds (ModelCounts.layer_args: an MoE family's dense blocks, model/moe/mix.py) is
+# counted as its mean block: every per-block figure the estimator multiplies by a stage's blocks (parameters,
+# activations, FLOPs, collectives' bytes) is the mean over the stack's blocks, so L blocks give the stack's exact
+# sum (a pipeline stage: its share of that sum, whichever kinds it holds); the linears, whose shapes set peaks and
+# kernels, are the largest block's. A stack of one kind is counted as before, term for term.
+_BLOCK_FNS = ("block_activations", "checkpointed_block_activations", "block_communication",
+              "selective_block_activations")
+
+
+def block_kinds(counts: ModelCounts, args: Any) -> list[tuple[Any, float]]:
+    """(args, share of the stack's blocks) of each kind of block, in order of first appearance."""
+    layers = counts.layer_args(args)
+    seen: dict[int, list] = {}
+    for a in layers:
+        seen.setdefault(id(a), [a, 0])[1] += 1
+    return [(a, n / len(layers)) for a, n in seen.values()]
+
+
+def mean_terms(kinds: list[tuple[Any, float]], fn: Any) -> list[Term]:
+    """`fn(args)`'s terms of the stack's mean block (one kind: its own terms, unscaled)."""
+    if len(kinds) == 1:
+        return list(fn(kinds[0][0]))
+    return [t for a, share in kinds for t in scaled(fn(a), share)]
+
+
+def stack_mean(counts: ModelCounts, kinds: list[tuple[Any, float]]) -> ModelCounts:
+    """`counts` whose per-block functions (activations, collectives, FLOPs) give the mean block of a stack of
+    `kinds` whatever args they are called with; `counts` itself for a stack of one kind."""
+    if len(kinds) == 1:
+        return counts
+
+    def mean(fn: Any) -> Any:
+        return lambda _args, ctx: mean_terms(kinds, lambda a: fn(a, ctx))
+    fns = {name: mean(getattr(counts, name)) for name in _BLOCK_FNS if getattr(counts, name, None) is not None}
+    flops = counts.block_flops_per_token
+    return replace(counts, **fns, block_flops_per_token=lambda _args, seq_len: sum(
+        share * flops(a, seq_len) for a, share in kinds))
+
+
 @dataclass(frozen=True)
 class ModelFigures:
     """A family's counts resolved for one layout. Parameter terms are global counts; `*_local` are per device
@@ -76,6 +115,7 @@ class ModelFigures:
     head_local: float
     block_matrices_local: float
     head_matrices_local: float
+    block_terms: tuple[Term, ...] = ()  # the mean block's parameter terms (stack_mean); () : block.terms()
 
     @classmethod
     def resolve(cls, spec: Any, args: Any, lay: Layout, seq_len: int) -> "ModelFigures":
@@ -83,19 +123,25 @@ class ModelFigures:
             raise ConfigError(f"model_type {spec.name}: the family gives no counts (ModelSpec.counts), so it "
                               f"cannot be estimated")
         counts = mtp_counts(spec.counts)  # model.mtp's depths on the head side (none without depths)
-        block, embedding, head = counts.block(args), counts.embedding(args), counts.head(args)
+        kinds = block_kinds(counts, args)
+        counts = stack_mean(counts, kinds)
+        # the linears (shapes, kernels, peaks): the largest block's; the sums: the stack's mean block
+        block = max((counts.block(a) for a, _ in kinds), key=lambda p: p.count)
+        embedding, head = counts.embedding(args), counts.head(args)
+        terms = mean_terms(kinds, lambda a: counts.block(a).terms())
+        weights = mean_terms(kinds, lambda a: matrices(counts.block(a).linears))
         total = spec.num_parameters(args) if spec.num_parameters is not None else \
             sum(counts.block(a).count for a in counts.layer_args(args)) + embedding.count + head.count
         s = lay.sizes
         return cls(counts, block, embedding, head, int(total), float(counts.block_flops_per_token(args, seq_len)),
-                   per_device(block.terms(), s), per_device(embedding.terms(), s), per_device(head.terms(), s),
-                   per_device(matrices(block.linears), s), per_device(matrices(head.linears), s))
+                   per_device(terms, s), per_device(embedding.terms(), s), per_device(head.terms(), s),
+                   per_device(weights, s), per_device(matrices(head.linears), s), tuple(terms))
 
     def stage_parameters(self, layers: int, first: bool, last: bool) -> list[Term]:
         """The parameter terms of a pipeline stage with `layers` blocks (the embedding on the first, the head on
-        the last)."""
-        return scaled(self.block.terms(), layers) + (self.embedding.terms() if first else []) \
-            + (self.head.terms() if last else [])
+        the last): `layers` of the stack's mean block (stack_mean)."""
+        return scaled(list(self.block_terms) or self.block.terms(), layers) + \
+            (self.embedding.terms() if first else []) + (self.head.terms() if last else [])
 
     def local_linears(self, lay: Layout, head: bool) -> list[tuple[float, float]]:
         """(out, in) on one device of every linear of a block, or of the head."""

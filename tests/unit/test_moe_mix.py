@@ -108,7 +108,16 @@ def test_counts_and_the_estimate_count_dense_and_moe_blocks_apart():
     per_layer = [spec.counts.block(a).count for a in spec.counts.layer_args(args)]
     assert per_layer == [sum(p.numel() for p in b.parameters()) for b in model.layers.values()]
     assert per_layer[0] == per_layer[2] < per_layer[1] == per_layer[3]
-    assert estimate(cfg, 1, device="cpu").parameters == count_parameters(model)
+    mixed = estimate(cfg, 1, device="cpu")
+    assert mixed.parameters == count_parameters(model)
+    assert sum(t.value for t in mixed.figures.stage_parameters(4, True, True)) == count_parameters(model)
+    # per block, the estimator counts the stack's mean: 2 dense blocks (QWEN3's) and 2 MoE blocks (all-MoE's)
+    moe = estimate(tiny(), 1, device="cpu").token_bytes
+    dense = estimate(load_config("configs/tiny.py", [o for o in OURS if "MoE" not in o and "expert" not in o
+                                                     and "top_k" not in o and "moe" not in o]
+                                 + ["model_type=QWEN3"]), 1, device="cpu").token_bytes
+    for key in ("block", "checkpointed"):
+        assert getattr(mixed.token_bytes, key) == pytest.approx((getattr(dense, key) + getattr(moe, key)) / 2)
     uniform = tiny()
     # a dense block multiplies its whole FFN (3 * 64 * 96), an MoE block 2 of its 4 experts (2 * 3 * 64 * 32) and
     # the router (4 * 64): 2 dense blocks differ from 2 MoE blocks by 2 * 6 * (18432 - 12288 - 256) FLOPs per token
