@@ -17,11 +17,11 @@ LENGTHS = [1, 2, 3, 5, 7, 14, 4, 2, 26]  # rows of 32: [1, 2, 3, 5, 7, 14] and [
 DEPTH = 3
 
 
-def small_cfg(**model):
+def small_cfg(model_type="INTERNLM2", **model):
     m = dict(num_layers=2, hidden_size=32, num_attention_heads=4, vocab_size=61, multiple_of=16,
              dtype="torch.float32", mtp=dict(depth=2, loss_weight=0.5))
     m.update(model)
-    return build_config({"model_type": "INTERNLM2", "model": m, "data": {"seq_len": 32, "micro_bsz": 2}})
+    return build_config({"model_type": model_type, "model": m, "data": {"seq_len": 32, "micro_bsz": 2}})
 
 
 def packed_row(seed=0):
@@ -226,3 +226,13 @@ def test_the_estimator_counts_the_depths(model_type, extra):
     assert with_depth.parameters == count_parameters(build_model(cfg({"depth": 1})))
     assert with_depth.parameters > without.parameters == count_parameters(build_model(cfg(None)))
     assert with_depth.memory.activations - without.memory.activations >= 2 * 32 * 2 * 4 * 61  # the depth's logits
+
+
+def test_an_moe_familys_depths_route_and_report_under_their_own_name():
+    from internlm_core.model.internlm_moe.hooks import moe_named_layers, moe_step_metrics
+    model = build_model(small_cfg("INTERNLM_MoE", num_experts=4), seed=0)
+    assert [i for i, _ in moe_named_layers(model)] == ["0", "1", "mtp0", "mtp1"]
+    ids, labels, positions, cu, docs = packed_row()
+    model(ids, positions, cu, mtp_ids=mtp_targets(ids, labels, docs, 2)[0])
+    metrics = moe_step_metrics(model)
+    assert {"moe/layer0/max_load", "moe/layermtp1/max_load"} <= set(metrics)

@@ -25,14 +25,16 @@ from ..spec import TrainingHooks
 
 
 def moe_named_layers(model: nn.Module) -> list[tuple[str, MoEFeedForward]]:
-    """(global block index, layer) of every MoE layer this rank holds, in block order."""
+    """(global block index, layer) of every MoE layer this rank holds, in block order; model.mtp's depths after the
+    blocks, as "mtp0", "mtp1", ... (metrics moe/layermtp0/...)."""
     out = []
     for name, module in model.named_modules():
         if isinstance(module, MoEFeedForward):
             parts = name.split(".")
-            index = parts[parts.index("layers") + 1] if "layers" in parts else name
+            index = parts[parts.index("layers") + 1] if "layers" in parts else \
+                f"mtp{parts[parts.index('depths') + 1]}" if "depths" in parts else name  # model.mtp's depth k: mtp{k}
             out.append((index, module))
-    return sorted(out, key=lambda item: int(item[0]) if item[0].isdigit() else 0)
+    return sorted(out, key=lambda item: (0, int(item[0]), "") if item[0].isdigit() else (1, 0, item[0]))
 
 
 def _step_table(layers: list[tuple[str, MoEFeedForward]], group: Optional[dist.ProcessGroup]) -> Optional[torch.Tensor]:
