@@ -63,15 +63,24 @@ def matrices(linears: Iterable[Linear]) -> list[Term]:
 # A stack of blocks of several kinds (ModelCounts.layer_args: an MoE family's dense blocks, model/moe/mix.py) is
 # counted as its mean block: every per-block figure the estimator multiplies by a stage's blocks (parameters,
 # activations, FLOPs, collectives' bytes) is the mean over the stack's blocks, so L blocks give the stack's exact
-# sum (a pipeline stage: its share of that sum, whichever kinds it holds); the linears, whose shapes set peaks and
-# kernels, are the largest block's. A stack of one kind is counted as before, term for term.
+# sum (under pipeline parallel the mean over the blocks of the rank holding the most parameters: its exact sum, an
+# upper bound for the other ranks); the linears, whose shapes set peaks and kernels, are the largest block's. A
+# stack of one kind is counted as before, term for term.
 _BLOCK_FNS = ("block_activations", "checkpointed_block_activations", "block_communication",
               "selective_block_activations")
 
 
-def block_kinds(counts: ModelCounts, args: Any) -> list[tuple[Any, float]]:
-    """(args, share of the stack's blocks) of each kind of block, in order of first appearance."""
-    layers = counts.layer_args(args)
+def block_kinds(counts: ModelCounts, args: Any, lay: Layout) -> list[tuple[Any, float]]:
+    """(args, share of the blocks) of each kind of block, in order of first appearance: of the whole stack, or
+    under pipeline parallel of the pipeline rank whose blocks (its stages' equal contiguous runs,
+    model/parallel_styles.stage_layers) hold the most parameters."""
+    layers = list(counts.layer_args(args))
+    stages = lay.pp * lay.num_chunks
+    if stages > 1 and len(layers) % stages == 0 and len({id(a) for a in layers}) > 1:
+        per = len(layers) // stages
+        ranks = [[a for s in range(r, stages, lay.pp) for a in layers[s * per:(s + 1) * per]] for r in range(lay.pp)]
+        size = {id(a): counts.block(a).count for a in layers}
+        layers = max(ranks, key=lambda held: sum(size[id(a)] for a in held))
     seen: dict[int, list] = {}
     for a in layers:
         seen.setdefault(id(a), [a, 0])[1] += 1
@@ -123,7 +132,7 @@ class ModelFigures:
             raise ConfigError(f"model_type {spec.name}: the family gives no counts (ModelSpec.counts), so it "
                               f"cannot be estimated")
         counts = mtp_counts(spec.counts)  # model.mtp's depths on the head side (none without depths)
-        kinds = block_kinds(counts, args)
+        kinds = block_kinds(counts, args, lay)
         counts = stack_mean(counts, kinds)
         # the linears (shapes, kernels, peaks): the largest block's; the sums: the stack's mean block
         block = max((counts.block(a) for a, _ in kinds), key=lambda p: p.count)

@@ -118,6 +118,12 @@ def test_counts_and_the_estimate_count_dense_and_moe_blocks_apart():
                                  + ["model_type=QWEN3"]), 1, device="cpu").token_bytes
     for key in ("block", "checkpointed"):
         assert getattr(mixed.token_bytes, key) == pytest.approx((getattr(dense, key) + getattr(moe, key)) / 2)
+    # pipeline 2 with blocks 0-1 dense: the rank of blocks 2-3 (all MoE, the most parameters) is the one counted
+    pp = ["model.first_k_dense_replace=2", "parallel.pipeline=2"]
+    staged = estimate(load_config("configs/tiny.py", [*OURS, *pp], world_size=2), 2, device="cpu")
+    assert staged.token_bytes.block == moe.block and staged.figures.block_local == pytest.approx(
+        estimate(load_config("configs/tiny.py", [*OURS, "parallel.pipeline=2"], world_size=2), 2,
+                 device="cpu").figures.block_local)
     uniform = tiny()
     # a dense block multiplies its whole FFN (3 * 64 * 96), an MoE block 2 of its 4 experts (2 * 3 * 64 * 32) and
     # the router (4 * 64): 2 dense blocks differ from 2 MoE blocks by 2 * 6 * (18432 - 12288 - 256) FLOPs per token
