@@ -151,6 +151,26 @@ def test_of_step_counts_n_from_every_micro_batch_before_any_backward():
     assert old.tokens is None and old.backward_factor() == 1.0
 
 
+def test_a_token_mean_step_reads_nothing_on_the_host():
+    """N counted from the loader's (host) labels, copied to the device and used there: the factor and the reported
+    loss stay device tensors (tests/helpers/host_syncs.py counts what a CUDA run would wait for)."""
+    from internlm_core.utils.transfer import to_device
+    from tests.helpers.host_syncs import HostSyncs
+    device = torch.device("cpu")  # the run's device, as HostSyncs reads it
+    labels = torch.stack([torch.cat([_labels(3), _labels(1)]), torch.cat([_labels(0), _labels(6)])])
+    with HostSyncs(device) as syncs:
+        syncs.host(labels)
+        norm = LossNormalizer.of_step("token_mean", 2, _Dims(), labels, device)
+        total = torch.zeros((), device=device)
+        for row in labels:
+            term = norm.part(torch.full((), 0.5, device=device), to_device(row, device))
+            (term * norm.backward_factor(SCALE)).detach()
+            total += term
+        reported = norm.rank_loss(total)
+    assert syncs.total == 0, syncs.sites
+    assert float(reported) == pytest.approx(0.5)  # each token's loss 0.5: the token mean
+
+
 def test_the_pipeline_target_carries_each_micro_batch_index():
     """The schedule splits the target along dim 0 as it splits the inputs; each piece names its micro-batch, in
     whatever order the schedule calls the loss (and for torch's metadata-inference call on micro-batch 0)."""
