@@ -136,7 +136,8 @@ class Trainer:
             rows = batch["input_ids"][i].numel() // seq_len
             mb = {k: batch[k][i].view(rows, seq_len) for k in ROW_KEYS}
             mb["cu_seqlens"] = batch["cu_seqlens"][i]
-            mb = self.mtp.targets(batch, i, mb, seq_len) if self.mtp is not None else mb  # whole rows, before any cut
+            if self.mtp is not None and self.model.training:  # model.mtp: from the whole rows, before any cut
+                mb = self.mtp.targets(batch, i, mb, seq_len)
             if self.context is not None:
                 mb = self.context(mb)  # document_ids stay on the host, where the model reads the layout
             yield {k: to_device(v, self.device) if k in ROW_KEYS + MTP_KEYS else v for k, v in mb.items()}

@@ -47,6 +47,10 @@ def run_job(name: str, launch, root: Path) -> None:
                             extra_callbacks=[Record()])
     record = {"steps": steps, "cp": trainer.dims.cp, "pp": trainer.dims.pp,
               "depths": trainer.mtp.module is not None}
+    if name == "reference":  # validation runs the main model only: no depth ids, no depth logits left pending
+        trainer.valid_loaders = {"probe": [trainer.train_loader.batch_at(5_000)]}
+        record["valid"] = trainer.evaluate()
+        record["pending_after_valid"] = len(trainer.mtp.module.pending)
     trainer.train()
     (root / name).mkdir(parents=True, exist_ok=True)
     torch.save(record, root / name / f"rank{launch.rank}.pt")
@@ -82,6 +86,7 @@ def test_mtp_under_context_and_pipeline_parallel_matches_one_process(runs, name)
     assert (recs[0]["cp"], recs[0]["pp"]) == ((2, 1) if name == "cp2" else (1, 2))
     # the depths live on every context rank, and on the last pipeline stage only
     assert [r["depths"] for r in recs] == ([True, True] if name == "cp2" else [False, True])
+    assert "valid/probe/loss" in ref["valid"] and ref["pending_after_valid"] == 0
     for rec in recs:  # every rank reports the same reduced values
         assert rec["steps"] == recs[0]["steps"]
     for step in range(1, STEPS + 1):
