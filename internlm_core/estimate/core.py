@@ -15,7 +15,8 @@ from ..numerics.precision import resolve_precision
 from ..utils import cpu_features
 from ..utils.accelerators import WORKING
 from ..utils.cpu_features import CpuFeatures
-from .activations import TokenBytes, fused_forward_chunks, fused_head_transients, stage_activations, token_bytes
+from .activations import (StageActivations, TokenBytes, fused_forward_chunks, fused_head_transients,
+                          stage_activations, token_bytes)
 from .communication import fsdp_communication
 from .figures import (DEFAULT_MFU, DEFAULT_PEAK_TFLOPS, GiB, PRECISIONS, Communication, Estimate, Layout,
                       cuda_runtime_bytes)
@@ -55,31 +56,31 @@ def choose_kernels(cfg: Config, lay: Layout, numerics: Any, device: str, attenti
     return Kernels(attention, cross_entropy, grad_reduce, linear)
 
 
-def checkpointed_blocks(cfg: Config, layers: int) -> int:
-    """How many of a stage's `layers` are recomputed whole (model.checkpoint: True, "full", False or a fraction).
-    "selective" keeps the matmuls' outputs, most of a block's activations: counted as not recomputed (an upper
-    bound; the notes say so)."""
+def checkpointed_blocks(cfg: Config, layers: int) -> tuple[str, int]:
+    """(policy, how many of a stage's `layers` are recomputed) of model.checkpoint (parallel/activation_checkpoint:
+    the first round(fraction * layers) blocks, whole under "full", per operator under "selective")."""
     policy, fraction = checkpoint_plan(cfg.model.checkpoint)
-    return 0 if policy == "selective" else round(fraction * layers)
+    return policy, round(fraction * layers)
 
 
 def stage_context(cfg: Config, lay: Layout, figures: ModelFigures, precision: str, comp: int, k: Kernels,
-                  tb: TokenBytes, loss_forward: float) -> StageContext:
+                  tb: TokenBytes, loss_forward: float, acts: StageActivations) -> StageContext:
     """loss_forward: the loss forward's transient buffers (its backward's are per token in `tb`); the larger
     of the two is the loss's peak."""
     d = cfg.data
     layers = cfg.model.num_layers // lay.pp
     autocast = precision == "internlm_core" and comp == 2
     tokens = d.micro_bsz * d.seq_len // lay.cp  # this rank's zigzag chunk under context parallel
-    checkpointed = checkpointed_blocks(cfg, layers)
+    _, checkpointed = checkpointed_blocks(cfg, layers)
+    loss_peak = max(tokens * tb.loss_peak, loss_forward)
     return StageContext(
         lay=lay, precision=precision, autocast=autocast, comp=comp, micro_num=d.micro_num, layers=layers,
         checkpointed=checkpointed,
         keeps_unsharded=precision == "internlm_core" and k.grad_reduce == "step" and lay.dp_shard > 1
         and d.micro_num > 1,
         fp32_gemm=k.linear == "fp32_gemm", cached_casts=autocast and k.linear != "fp32_gemm",
-        tokens=tokens, loss_peak=max(tokens * tb.loss_peak, loss_forward), logits=tokens * tb.logits,
-        recomputed=tokens * tb.block if checkpointed else 0.0, head_activations=tokens * tb.head, figures=figures)
+        tokens=tokens, loss_peak=loss_peak, logits=tokens * tb.logits,
+        recomputed=acts.rebuilt_excess(loss_peak), head_activations=tokens * tb.head, figures=figures)
 
 
 def activation_context(cfg: Config, lay: Layout, precision: str, comp: int, device: str, attention: str
@@ -139,16 +140,20 @@ def estimate(cfg: Config, world_size: int = 1, precision: str = "internlm_core",
     vocab = figures.counts.logits(args)
     local_vocab = vocab.value / divisor(vocab.shard, lay.sizes)
     weight_itemsize = comp if precision == "internlm_core" and comp == 2 and lay.dp > 1 else 4  # FSDP's gathers
+    policy, checkpointed = checkpointed_blocks(cfg, cfg.model.num_layers // lay.pp)
+    acts = stage_activations(tb, lay, cfg.model.num_layers // lay.pp, checkpointed, d.micro_num, tokens,
+                             cfg.model.offload_activations, policy)
     c = stage_context(cfg, lay, figures, precision, comp, k, tb, fused_head_transients(
         local_vocab, cfg.model.hidden_size, tokens, comp, weight_itemsize, device) if k.cross_entropy == "fused_head" else
-        fused_forward_chunks(k.cross_entropy, local_vocab, tokens, device))
-    acts = stage_activations(tb, lay, c.layers, c.checkpointed, d.micro_num, tokens, cfg.model.offload_activations)
+        tokens * tb.logits_forward + fused_forward_chunks(k.cross_entropy, local_vocab, tokens, device, comp), acts)
     mem = pick_stage(c, acts, tb.shared, pipeline_rank)
+    mem.host_offload = tokens * acts.in_flight * acts.host
     if device == "cpu":
         mem.runtime = float(runtime_bytes)
     model_fpt = float(spec.flops_per_token(args, d.seq_len)) if spec.flops_per_token is not None else \
         3.0 * cfg.model.num_layers * figures.block_flops_per_token
-    hw_fpt = model_fpt + c.checkpointed * lay.pp * figures.block_flops_per_token
+    recomputed = c.checkpointed if policy == "full" else 0  # selective repeats no matmul
+    hw_fpt = model_fpt + recomputed * lay.pp * figures.block_flops_per_token
     comm = fsdp_communication(lay, d.micro_num, k.grad_reduce, mem.stage, c.layers, figures.block_local,
                               figures.embedding_local, figures.head_local, c.gathered_itemsize) \
         if precision == "internlm_core" else Communication()
@@ -163,8 +168,7 @@ def estimate(cfg: Config, world_size: int = 1, precision: str = "internlm_core",
                  device_memory=device_memory_gib * GiB if device_memory_gib else None, communication=comm,
                  linear=k.linear, model_communication=model_comm,
                  context_bytes=context_exchange_bytes(cfg, lay, comp, c.layers))
-    e.figures, e.model_args, e.token_bytes, e.stage_layers, e.checkpointed = figures, args, tb, c.layers, \
-        c.checkpointed
+    e.figures, e.model_args, e.token_bytes, e.stage_layers, e.checkpointed = figures, args, tb, c.layers, recomputed
     if device == "cuda":
         e.device_runtime = cuda_runtime_bytes(lay)
     e.notes = notes(e, c, acts.in_flight, pipeline_rank)
@@ -214,13 +218,16 @@ def notes(e: Estimate, c: StageContext, in_flight: float, pipeline_rank: Optiona
         else:
             out.append(f"gradient accumulation: reduced once per step, every gradient stays unsharded in fp32 over "
                        f"the {d.micro_num} micro-batches ({mem.accumulated_gradients / GiB:.1f} GiB beyond the shard)")
-    if c.checkpointed:
+    if c.checkpointed and e.cfg.model.checkpoint != "selective":
         out.append(f"activation checkpointing: {c.checkpointed} of {c.layers} layers per stage keep only their input")
     if e.cfg.model.offload_activations:
-        out.append("activation offload: the blocks' saved tensors on the host, two blocks' worth counted on the device")
+        out.append(f"activation offload: the blocks' saved tensors on the host ({mem.host_offload / GiB:.2f} GiB per "
+                   f"device), two blocks' worth counted on the device in backward")
     if e.cfg.model.checkpoint == "selective":
-        out.append("selective activation checkpointing: counted as keeping every activation (an upper bound: "
-                   "the elementwise ops' outputs are recomputed)")
+        out.append("selective activation checkpointing: each layer keeps its input and its matmuls' and attention's "
+                   "outputs, the elementwise ops are recomputed" if e.token_bytes.selective is not None else
+                   "selective activation checkpointing: the family gives no count of what it keeps (ModelCounts."
+                   "selective_block_activations): counted as keeping every activation (an upper bound)")
     if lay.pp > 1 and mem.gradients == 0 and e.precision == "internlm_core":
         out.append(f"pipeline stage '{mem.stage}' runs all {d.micro_num} forwards before its first backward: its "
                    f"peak comes before the step's gradients exist (they are not counted)")

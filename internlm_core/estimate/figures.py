@@ -106,6 +106,7 @@ class Memory:
     runtime: float = 0.0         # CPU: the process itself (Python, torch, the data pipeline), as measured
     fp8_casts: float = 0.0       # model.fp8: the float8 operands and scales of the largest converted linear
     stage: str = ""
+    host_offload: float = 0.0    # model.offload_activations: host memory the blocks' saved tensors take (not in total)
 
     ORDER = ("parameters", "gradients", "optimizer", "weight_copies", "fsdp_gathered", "accumulated_gradients",
              "activations", "loss_peak", "gemm_copies", "root_reduce", "runtime", "fp8_casts")

@@ -19,8 +19,9 @@ class StageContext:
     gradient unsharded between micro-batches; fp32_gemm: the CPU linear path without native 16-bit GEMM;
     cached_casts: autocast casts the weights itself (not fp32_gemm) and caches each cast until its context
     exits; tokens: one micro-batch's tokens on one data-parallel rank; loss_peak, logits: bytes of the loss
-    backward's transients and of the logits (the last stage); recomputed: the activation bytes of the block
-    being recomputed in backward (0 without checkpointing), counted in every stage's activations;
+    backward's transients and of the held logits (the last stage); recomputed: what the backward of the blocks
+    holds beyond the head's and the loss's peak on the last stage (StageActivations.rebuilt_excess: the block
+    being recomputed, the blocks offload copied back; 0 without either), counted in its activations;
     head_activations: what the head keeps of one micro-batch (the last stage)."""
 
     lay: Layout
@@ -182,11 +183,11 @@ def pick_stage(c: StageContext, acts: StageActivations, shared: float, pipeline_
     if pipeline_rank is not None and not 0 <= pipeline_rank < lay.pp:
         raise ValueError(f"pipeline_rank {pipeline_rank}: expected 0 <= rank < {lay.pp}")
     if lay.pp == 1:
-        return stage_memory(c, "all", acts.last, True, True)
+        return stage_memory(c, "all", acts.last(c.loss_peak), True, True)
     if pipeline_rank is not None and 0 < pipeline_rank < lay.pp - 1:
         return stage_memory(c, "middle", acts.middle(lay, pipeline_rank, c.micro_num, shared), False, False,
                             warmup=lay.pp - pipeline_rank)
     first = stage_memory(c, "first", acts.first, True, False, warmup=lay.pp)
-    last = stage_memory(c, "last", acts.last, False, True, warmup=1)
+    last = stage_memory(c, "last", acts.last(c.loss_peak), False, True, warmup=1)
     return first if pipeline_rank == 0 else last if pipeline_rank == lay.pp - 1 else \
         max((first, last), key=lambda x: x.total)

@@ -39,6 +39,9 @@ def format_estimate(e: Estimate, other: Optional[Estimate] = None) -> str:
         fits = (f"  (fits in {e.device_memory / GiB:g} GiB)" if mem.total + e.device_runtime <= e.device_memory
                 else f"  (does NOT fit in {e.device_memory / GiB:g} GiB)")
     lines.append(f"  {'total (peak)':<22} {mem.total / GiB:9.2f} GiB{fits}")
+    if mem.host_offload:
+        lines.append(f"  {'+ offloaded to host':<22} {mem.host_offload / GiB:9.2f} GiB  (model.offload_activations: "
+                     "host memory, not the device's)")
     if e.device_runtime:
         lines.append(f"  {'+ CUDA context, NCCL':<22} {e.device_runtime / GiB:9.2f} GiB  (outside the allocator: "
                      "nvidia-smi shows it, torch.cuda.max_memory_reserved does not)")

@@ -129,6 +129,10 @@ class ModelCounts:
     logits(args): the logits' width per token (the vocabulary) and the mesh dimensions that split it.
     block_communication(args, ctx): bytes per token one block's own collectives move in a forward and backward
         (an MoE all-to-all), each term with the dimensions that divide it; none for dense families.
+    selective_block_activations(args, ctx): bytes per token a block keeps under selective recomputation
+        (model.checkpoint="selective": its input and the outputs of its matmuls, attention kernels and
+        collectives, parallel/activation_checkpoint.SAVE_LIST); None: the family gives none, and the estimator
+        counts such a block as keeping every activation (an upper bound, said in its notes).
     layer_args(args): the args each block's counts are called with, one per block in order (a stack of blocks
         of several kinds, e.g. dense blocks among MoE blocks: model/moe/mix.py); default `args` for every block.
     """
@@ -143,6 +147,7 @@ class ModelCounts:
     head_activations: Callable[[Any, ActivationContext], list[Term]]
     logits: Callable[[Any], Term]
     block_communication: Callable[[Any, ActivationContext], list[Term]] = _none
+    selective_block_activations: Optional[Callable[[Any, ActivationContext], list[Term]]] = None
     layer_args: Callable[[Any], tuple[Any, ...]] = _uniform
 
 

@@ -62,6 +62,8 @@ class TensorParallelOptions:
     parallel_output: bool = True
     local_logits: bool = False  # a pipeline stage hands on its vocabulary shard as a plain tensor
     compile: bool = False
+    # (block, block plan) -> the plan with other styles for some linears (model.fp8: torchao's float8 styles)
+    linear_styles: Optional[Callable[[Any, dict], dict]] = None
 
 
 @dataclass(frozen=True)

@@ -38,6 +38,7 @@ class ParallelOptions:
     num_chunks: int = 1        # model.num_chunks: virtual pipeline stages per rank
     checkpoint: Any = False    # model.checkpoint: activation checkpointing ("full", "selective", bool or fraction)
     compile: bool = False      # model.compile
+    linear_styles: Any = None  # model.fp8 tensorwise: torchao's float8 tensor-parallel styles (parallel/float8.py)
     offload_activations: bool = False  # model.offload_activations (parallel/offload.py)
     sequence_parallel: bool = False
     parallel_output: bool = True
@@ -106,7 +107,7 @@ def parallelize_model(model: nn.Module, spec: ModelSpec, options: ParallelOption
             raise ConfigError(f"parallel.tensor: model_type {spec.name} has no tensor-parallel plan")
         plan.apply_tensor_parallel(model, dims.submesh("tp"), TensorParallelOptions(
             sequence_parallel=options.sequence_parallel, parallel_output=options.parallel_output,
-            local_logits=dims.pp > 1, compile=options.compile))
+            local_logits=dims.pp > 1, compile=options.compile, linear_styles=options.linear_styles))
     dim_modules = apply_family_dims(model, spec, options, dims)
     blocks = plan.blocks(model)
     n = checkpoint_and_compile(blocks, options.checkpoint, options.compile)

@@ -45,6 +45,9 @@ SAVE_LIST = (
 )
 # every op of these namespaces is kept too: flash-attn's kernels (their forward outputs) and functional collectives
 SAVE_NAMESPACES = ("_c10d_functional", "flash_attn")
+# this code base's own matmul ops (namespace, name): the CPU linear's oneDNN GEMM (model/layers.py), which a plain
+# fp32 CPU run's linears dispatch to instead of aten.mm
+SAVE_CUSTOM = (("internlm_core", "onednn_matmul"),)
 # in-place c10d exchanges replayed from the forward's record: c10d op name -> whether it writes its first argument
 EXCHANGE_OPS = {"alltoall_base_": True, "alltoall_": True, "allgather_": True, "recv_": True,
                 "recv_any_source_": True, "send": False}
@@ -63,7 +66,8 @@ def save_ops() -> frozenset:
 
 def selective_policy(ctx: Any, func: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
     """The per-op decision of `selective`: keep matmuls, attention and functional collectives, recompute the rest."""
-    if func in save_ops() or getattr(func, "namespace", None) in SAVE_NAMESPACES:
+    namespace = getattr(func, "namespace", None)
+    if func in save_ops() or namespace in SAVE_NAMESPACES or (namespace, getattr(func, "_opname", None)) in SAVE_CUSTOM:
         return CheckpointPolicy.MUST_SAVE
     return CheckpointPolicy.PREFER_RECOMPUTE
 

@@ -48,9 +48,6 @@ def check_fp8_layout(plan: Fp8Plan, tensor: int, backend: Optional[str]) -> None
     if plan.mx and tensor > 1:
         raise ConfigError(f"model.fp8: {plan.recipe} not with parallel.tensor > 1 (torchao's MXFP8 weight wrapper "
                           "has no tensor-parallel styles)")
-    if tensor > 1:
-        raise ConfigError("model.fp8: not with parallel.tensor > 1 yet (the float8 tensor-parallel styles and their "
-                          "amax reductions are not wired)")
     if plan.fsdp_float8_all_gather and backend == "gloo":
         raise ConfigError("model.fp8.enable_fsdp_float8_all_gather: gloo cannot all-gather float8 tensors "
                           "(\"Invalid scalar type\"); use nccl or leave it False")
@@ -113,3 +110,28 @@ def _convert_mx(model: nn.Module, blocks: list[nn.Module], plan: Fp8Plan, device
             chosen.add(id(module))
     swap_mx_weights(model, chosen, plan, kernel)
     return ", GEMMs emulated (dequantized, then high precision)" if kernel == "emulated" else ", torchao's MXFP8 GEMMs"
+
+
+def float8_tp_styles(plan: Fp8Plan) -> Optional[Callable[[nn.Module, dict], dict]]:
+    """The family plan's hook for tensor parallel (TensorParallelOptions.linear_styles) under `plan`: the tensorwise
+    recipe gets torchao's Float8ColwiseParallel / Float8RowwiseParallel for its Float8Linear modules (each input
+    cast to float8 once with the scale of the whole tensor, then redistributed in float8; the output gradient cast
+    in backward), as torchtitan does; rowwise recipes keep the plain styles (their scales are per row: DTensor's
+    reductions give the amaxes), and so does a linear left in high precision. None: no change."""
+    if plan.mx or plan.recipe != "tensorwise":
+        return None
+
+    def styles(block: nn.Module, block_plan: dict) -> dict:
+        from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+        from torchao.float8.float8_linear import Float8Linear
+        from torchao.float8.float8_tensor_parallel import Float8ColwiseParallel, Float8RowwiseParallel
+
+        out = dict(block_plan)
+        for key, style in block_plan.items():
+            kind = {ColwiseParallel: Float8ColwiseParallel, RowwiseParallel: Float8RowwiseParallel}.get(type(style))
+            if kind is not None and isinstance(block.get_submodule(key), Float8Linear):
+                out[key] = kind(input_layouts=style.input_layouts[0], output_layouts=style.output_layouts[0],
+                                use_local_output=style.use_local_output)
+        return out
+
+    return styles

@@ -34,7 +34,7 @@ from ..numerics import Kernels, Precision, resolve_precision, select_kernels
 from ..optim import Beta2Scheduler, DynamicGradScaler, WarmupCosineLR, WarmupStableDecayLR, build_optimizer
 from ..parallel import CommCounter, family_dims, fsdp_wraps, parallel_options, parallelize_model
 from ..parallel.context import ContextCut
-from ..parallel.float8 import check_fp8_layout, convert_to_fp8
+from ..parallel.float8 import check_fp8_layout, convert_to_fp8, float8_tp_styles
 from ..utils import collectives
 from ..utils.logging import get_logger
 from ..utils.memory import keep_freed_cpu_memory, return_large_freed_cpu_memory, trainable_parameter_bytes
@@ -300,7 +300,10 @@ def build_parallel_model(inputs: ModelInputs, cfg: Config, dims: ParallelDims, l
         check_fp8_layout(fp8, dims.tp, launch.backend)
         convert_to_fp8(model, model_spec(inputs).plan.blocks(model), fp8, device=launch.device,
                        grouped_experts=kernels.expert_gemm == "grouped")
-    model, pipeline = parallelize_model(model, model_spec(inputs), parallel_options(cfg), dims, launch.device,
+    options = parallel_options(cfg)
+    if fp8 is not None:  # tensor parallel: torchao's float8 styles for the tensorwise recipe
+        options = dataclasses.replace(options, linear_styles=float8_tp_styles(fp8))
+    model, pipeline = parallelize_model(model, model_spec(inputs), options, dims, launch.device,
                                         seed=seed, precision=precision, grad_reduce=kernels.grad_reduce)
     args = model_args(inputs, launch.device.type, attn_backend=kernels.attention)
     logger.info(f"model {cfg.model_type}: {n_params:,} parameters, {cfg.model.num_layers} layers, "

@@ -32,17 +32,22 @@ def one_process(tmp_path_factory):
     return read_metrics(run)
 
 
-@pytest.mark.parametrize("layout", [["parallel.zero1=-1", "data.micro_num=2"],
-                                    ["parallel.zero1=1", "parallel.pipeline=2", "data.micro_num=4"]],
-                         ids=["fsdp2", "pipeline2"])
-def test_float8_trains_as_one_process(tmp_path, one_process, layout):
+@pytest.mark.parametrize("layout,rel", [
+    (["parallel.zero1=-1", "data.micro_num=2"], (1e-4, 1e-3)),
+    (["parallel.zero1=1", "parallel.pipeline=2", "data.micro_num=4"], (1e-4, 1e-3)),
+    # tensor parallel: the weights' and activations' amaxes are DTensor reductions over both ranks (the scales of
+    # one process); the row-parallel partial sums add in another order, which float8 rounding can amplify
+    # (measured: losses within 8e-5, gradient norms within 2e-3 relative)
+    (["parallel.zero1=1", "parallel.tensor=2", "data.micro_num=4"], (3e-4, 5e-3))],
+    ids=["fsdp2", "pipeline2", "tensor2"])
+def test_float8_trains_as_one_process(tmp_path, one_process, layout, rel):
     p, run = _run(tmp_path, "two", 2, layout)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     got = read_metrics(run)
     assert [r["step"] for r in got] == list(range(1, STEPS + 1))
     for r, q in zip(got, one_process):
-        assert r["loss"] == pytest.approx(q["loss"], rel=1e-4), (r["step"], r["loss"], q["loss"])
-        assert r["grad_norm"] == pytest.approx(q["grad_norm"], rel=1e-3), (r["step"], r["grad_norm"], q["grad_norm"])
+        assert r["loss"] == pytest.approx(q["loss"], rel=rel[0]), (r["step"], r["loss"], q["loss"])
+        assert r["grad_norm"] == pytest.approx(q["grad_norm"], rel=rel[1]), (r["step"], r["grad_norm"], q["grad_norm"])
     assert got[-1]["loss"] < got[0]["loss"]
 
 

@@ -145,8 +145,7 @@ def test_checkpoint_round_trip_resumes_bitwise():
 
 
 def test_refusals(monkeypatch):
-    with pytest.raises(ConfigError, match="parallel.tensor > 1"):
-        check_fp8_layout(Fp8Plan("tensorwise"), 2, "nccl")
+    check_fp8_layout(Fp8Plan("tensorwise"), 2, "nccl")  # tensor parallel: DTensor reduces the amaxes
     with pytest.raises(ConfigError, match="gloo cannot all-gather float8"):
         check_fp8_layout(Fp8Plan("tensorwise", True), 1, "gloo")
     check_fp8_layout(Fp8Plan("tensorwise", True), 1, "nccl")
@@ -214,3 +213,24 @@ def test_moe_routing_and_grouped_experts_stay_in_high_precision():
     (out[0] if isinstance(out, tuple) else out).float().pow(2).mean().backward()
     experts = model.layers["0"].feed_forward.experts.w1
     assert experts.dim() == 3 and torch.isfinite(experts.grad).all() and experts.grad.abs().sum() > 0
+
+
+def test_tensor_parallel_styles_are_torchaos_float8_ones_for_tensorwise():
+    """TensorParallelOptions.linear_styles: the block plan's column / row styles become torchao's float8 ones for
+    the Float8Linear modules (same layouts), under the tensorwise recipe only (tests/dist/test_fp8_fsdp.py trains
+    tensor parallel 2 as one process)."""
+    from torch.distributed.tensor import Shard
+    from torchao.float8.float8_tensor_parallel import Float8ColwiseParallel, Float8RowwiseParallel
+
+    from internlm_core.model.internlm.parallelize import block_plan
+    from internlm_core.parallel.float8 import float8_tp_styles
+
+    model = tiny()
+    convert_to_fp8(model, blocks(model), Fp8Plan("tensorwise", filter_fqns=("feed_forward.w1",)))
+    plan = block_plan(sequence_parallel=True)
+    styled = float8_tp_styles(Fp8Plan("tensorwise"))(model.layers["0"], plan)
+    assert type(styled["attention.wq"]) is Float8ColwiseParallel and styled["feed_forward.w1"] is plan["feed_forward.w1"]
+    assert type(styled["feed_forward.w3"]) is Float8RowwiseParallel and styled["feed_forward.w3"].output_layouts == (Shard(1),)
+    assert styled["attention"] is plan["attention"] and styled["attention_norm"] is plan["attention_norm"]
+    assert float8_tp_styles(Fp8Plan("rowwise")) is None and float8_tp_styles(Fp8Plan("mxfp8_rceil")) is None
+

@@ -89,6 +89,24 @@ def block_activations(a: ModelArgs, c: ActivationContext) -> list[Term]:
     return terms
 
 
+def selective_block_activations(a: ModelArgs, c: ActivationContext) -> list[Term]:
+    """model.checkpoint="selective": the block's input and its matmuls' outputs (q, k, v, wo; w1, w2, w3), in the
+    compute dtype, and the attention kernel's: flash-attn's and SDPA's output and fp32 log-sum-exp; the blocked CPU
+    attention's two matmuls, the scores (w keys per query) and the output. Norms, rotary, softmax, SiLU and casts
+    are recomputed. Under tensor parallel the row-parallel outputs (wo, w3) are the unreduced partial sums, [T, h]
+    on every rank, and the collectives' outputs are kept too (not counted: the plain runs measured)."""
+    h, kv, f, H = a.hidden_size, a.num_kv_heads * a.head_dim, a.ffn_width, a.num_heads
+    q, comp = H * a.head_dim, c.compute_bytes
+    if c.attention == "cpu_blocked":
+        attention = Term("attention scores, output", comp * (H * keys_per_query(c.seq_len) + q), TP)
+    else:
+        attention = Term("attention output, log-sum-exp", comp * q + 4 * H, TP)
+    return [Term("block input", c.residual_bytes * h, SP),
+            Term("q, k, v", comp * (q + 2 * kv), TP), attention,
+            Term("wo, w3 outputs", 2 * comp * h),
+            Term("w1, w2 outputs", 2 * comp * f, TP)]
+
+
 def checkpointed_block_activations(a: ModelArgs, c: ActivationContext) -> list[Term]:
     return [Term("block input", c.residual_bytes * a.hidden_size, SP)]
 
@@ -114,4 +132,5 @@ def logits(a: ModelArgs) -> Term:
 COUNTS = ModelCounts(block=block, embedding=embedding, head=head, block_flops_per_token=block_flops_per_token,
                      block_activations=block_activations,
                      checkpointed_block_activations=checkpointed_block_activations,
+                     selective_block_activations=selective_block_activations,
                      shared_activations=shared_activations, head_activations=head_activations, logits=logits)

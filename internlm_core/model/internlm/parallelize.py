@@ -100,6 +100,8 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, options: Tensor
         plan = layer_plan(layer, options.sequence_parallel) if layer_plan else block_plan(options.sequence_parallel)
         if getattr(layer.attention, "q_norm", None) is not None:  # model.qk_norm: each rank normalizes its heads
             plan = {**plan, "attention.q_norm": HeadShardedNorm(), "attention.k_norm": HeadShardedNorm()}
+        if options.linear_styles is not None:  # model.fp8: float8 tensor-parallel styles (parallel/float8.py)
+            plan = options.linear_styles(layer, plan)
         parallelize_module(layer, tp_mesh, plan)
     if options.compile and model.tok_embeddings is not None:
         model.tok_embeddings.register_forward_hook(_copy_output)
