@@ -72,13 +72,13 @@ class MTPLoss:
         logits = pop_mtp_logits(self.module)
         if not logits:
             return torch.zeros((), device=self.device)
-        parts = torch.stack([n.part(self.loss_fn(lg, labels[..., k])[0], labels[..., k],
-                                    None if shares is None else shares[k])
-                             for k, (lg, n) in enumerate(zip(logits, self._norms))])
-        self._totals = parts.detach() if self._totals is None else self._totals + parts.detach()
-        ratio = torch.stack([torch.as_tensor(n.backward_factor(1.0) / norm.backward_factor(1.0), device=self.device,
-                                             dtype=torch.float32) for n in self._norms])
-        return self.loss_weight * (parts * ratio).sum() / self.depth
+        parts = [n.part(self.loss_fn(lg, labels[..., k])[0], labels[..., k], None if shares is None else shares[k])
+                 for k, (lg, n) in enumerate(zip(logits, self._norms))]
+        done = torch.stack([p.detach() for p in parts])
+        self._totals = done if self._totals is None else self._totals + done
+        # N / N_k under token_mean (0-dim device tensors: no host read), 1.0 under micro_batch_mean
+        ratios = [n.backward_factor(1.0) / norm.backward_factor(1.0) for n in self._norms]
+        return self.loss_weight * sum(p * r for p, r in zip(parts, ratios)) / self.depth
 
     def term_at(self, norm: LossNormalizer, stacked: dict, index: torch.Tensor) -> torch.Tensor:
         """`term` of pipeline micro-batch `index` (a 0-dim device tensor: no host read) of the step's stacked
