@@ -236,3 +236,15 @@ def test_an_moe_familys_depths_route_and_report_under_their_own_name():
     model(ids, positions, cu, mtp_ids=mtp_targets(ids, labels, docs, 2)[0])
     metrics = moe_step_metrics(model)
     assert {"moe/layer0/max_load", "moe/layermtp1/max_load"} <= set(metrics)
+
+
+@pytest.mark.parametrize("model_type,extra", [("INTERNLM2", {}), ("INTERNLM_MoE", {"num_experts": 4})])
+def test_flops_per_token_count_the_depths(model_type, extra):
+    """Each depth adds a block's FLOPs (its matmuls and attention), eh_proj's and the output layer's once more."""
+    from internlm_core.model import model_flops_per_token
+    on, off = small_cfg(model_type, **extra), small_cfg(model_type, mtp=None, **extra)
+    args_on, args_off = model_args_from_config(on), model_args_from_config(off)
+    h, v, t = 32, 61, 32
+    added = model_flops_per_token(on, args_on) - model_flops_per_token(off, args_off)
+    per_block = (model_flops_per_token(off, args_off) - 6 * v * h) / 2  # 2 blocks, the head aside
+    assert added == pytest.approx(2 * (per_block + 6 * (2 * h * h + v * h)), rel=0.02)

@@ -111,4 +111,6 @@ def flops_per_token(a: Any, seq_len: int) -> int:
     """Model FLOPs per trained token (the dense convention, 6 per active non-embedding parameter plus attention):
     what MFU and the throughput line count for an MoE model."""
     head = a.vocab_size * a.hidden_size
-    return int(6 * (active_parameters(a) + head) + 12 * a.num_layers * a.hidden_size * seq_len)
+    depth = a.mtp_depth  # model.mtp: each depth one more (MoE) block, eh_proj and the head again
+    mtp = depth * (_active_block(a) + 2 * a.hidden_size * a.hidden_size + head)
+    return int(6 * (active_parameters(a) + head + mtp) + 12 * (a.num_layers + depth) * a.hidden_size * seq_len)
