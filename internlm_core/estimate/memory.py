@@ -94,12 +94,16 @@ def fsdp_gathered(c: StageContext, root: float, forward_first: bool) -> float:
     if c.precision != "internlm_core" or c.lay.dp_shard <= 1:
         return 0.0
     w, block = c.gathered_itemsize, c.figures.block_local
-    wb = w * block - c.fp8_gathered  # one gathered block's bytes (converted weights in 1 byte: float8 all-gather)
+    # one gathered block's bytes (converted weights in 1 byte: float8 all-gather); `big`: the largest block's, what
+    # one unit at a time holds in a stack of several kinds of blocks (block_local is their mean: terms.py)
+    wb = w * block - c.fp8_gathered
+    big = max(c.figures.largest_block_local, block)
+    wbig = w * big - c.fp8_gathered
     if c.lay.pp > 1:
-        kept_input = 0 if forward_first else 4 * (root or block)
-        regather = 0 if forward_first else max(wb, w * root)
+        kept_input = 0 if forward_first else 4 * (root or big)
+        regather = 0 if forward_first else max(wbig, w * root)
         return wb * c.layers + w * root + kept_input + regather
-    return 2 * wb + w * root + 4 * block
+    return 2 * wbig + w * root + 4 * big
 
 
 def fp32_gemm_transient(out_dim: float, in_dim: float, tokens: int) -> float:

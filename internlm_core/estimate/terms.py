@@ -125,6 +125,7 @@ class ModelFigures:
     block_matrices_local: float
     head_matrices_local: float
     block_terms: tuple[Term, ...] = ()  # the mean block's parameter terms (stack_mean); () : block.terms()
+    largest_block_local: float = 0.0  # the largest block's, per device (a stack of several kinds of blocks)
 
     @classmethod
     def resolve(cls, spec: Any, args: Any, lay: Layout, seq_len: int) -> "ModelFigures":
@@ -144,7 +145,8 @@ class ModelFigures:
         s = lay.sizes
         return cls(counts, block, embedding, head, int(total), float(counts.block_flops_per_token(args, seq_len)),
                    per_device(terms, s), per_device(embedding.terms(), s), per_device(head.terms(), s),
-                   per_device(weights, s), per_device(matrices(head.linears), s), tuple(terms))
+                   per_device(weights, s), per_device(matrices(head.linears), s), tuple(terms),
+                   per_device(block.terms(), s))
 
     def stage_parameters(self, layers: int, first: bool, last: bool) -> list[Term]:
         """The parameter terms of a pipeline stage with `layers` blocks (the embedding on the first, the head on

@@ -112,7 +112,10 @@ def test_counts_and_the_estimate_count_dense_and_moe_blocks_apart():
     assert mixed.parameters == count_parameters(model)
     assert sum(t.value for t in mixed.figures.stage_parameters(4, True, True)) == count_parameters(model)
     # per block, the estimator counts the stack's mean: 2 dense blocks (QWEN3's) and 2 MoE blocks (all-MoE's)
-    moe = estimate(tiny(), 1, device="cpu").token_bytes
+    all_moe = estimate(tiny(), 1, device="cpu")
+    moe = all_moe.token_bytes
+    # FSDP holds one unit at a time: the largest block's, not the mean
+    assert mixed.figures.largest_block_local == all_moe.figures.block_local > mixed.figures.block_local
     dense = estimate(load_config("configs/tiny.py", [o for o in OURS if "MoE" not in o and "expert" not in o
                                                      and "top_k" not in o and "moe" not in o]
                                  + ["model_type=QWEN3"]), 1, device="cpu").token_bytes
