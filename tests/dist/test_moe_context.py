@@ -60,9 +60,13 @@ def run_job(name: str, launch, root: Path) -> None:
     trainer = build_trainer(cfg, launch, resolve_run_dir(cfg, str(root / name / "run"), launch),
                             extra_callbacks=[Record()])
     kinds = [type(b.feed_forward).__name__ for b in trainer.model.layers.values()]
+    params = dict(trainer.model.named_parameters())
+    meshes = {n: getattr(getattr(params[n], "device_mesh", None), "mesh_dim_names", None)
+              for n in ("layers.0.feed_forward.w1.weight", "layers.1.feed_forward.experts.w1")}
     trainer.train()
     (root / name).mkdir(parents=True, exist_ok=True)
-    torch.save({"steps": record, "kinds": kinds, "cp": trainer.dims.cp}, root / name / f"rank{launch.rank}.pt")
+    torch.save({"steps": record, "kinds": kinds, "cp": trainer.dims.cp, "meshes": meshes},
+               root / name / f"rank{launch.rank}.pt")
 
 
 def worker(rank: int, world: int, port: int, names: list[str], root: str) -> None:
@@ -93,6 +97,10 @@ def test_moe_with_a_dense_block_matches_one_process(runs, name):
     recs, ref = runs(name), runs("reference")[0]
     assert ref["kinds"] == ["FeedForward", "MoEFeedForward"] == recs[0]["kinds"]
     assert recs[0]["cp"] == (2 if name.startswith("cp2") else 1)
+    # FSDP's meshes: the dense block's FFN over every data x context rank, the experts over what "ep" leaves (x cp)
+    dense_ffn, experts = recs[0]["meshes"].values()
+    assert dense_ffn == ("dp_shard_cp",) and experts == (("dp_shard_rest", "ep") if name == "ep2" else
+                                                        ("dp_shard_cp",)), recs[0]["meshes"]
     assert ref["steps"][STEPS][0]["loss"] < ref["steps"][1][0]["loss"]
     for step in range(1, STEPS + 1):
         want, want_bias = ref["steps"][step]
