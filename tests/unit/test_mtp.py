@@ -248,3 +248,33 @@ def test_flops_per_token_count_the_depths(model_type, extra):
     added = model_flops_per_token(on, args_on) - model_flops_per_token(off, args_off)
     per_block = (model_flops_per_token(off, args_off) - 6 * v * h) / 2  # 2 blocks, the head aside
     assert added == pytest.approx(2 * (per_block + 6 * (2 * h * h + v * h)), rel=0.02)
+
+
+def test_depths_round_trip_through_deepseeks_hf_layout():
+    """Our depths <-> DeepSeek's model.layers.{L+k}.{enorm, hnorm, eh_proj, shared_head.norm, block tensors}, with
+    the copies of the embedding and output head written on export and checked on import (Llama's layer names
+    standing in for a family's block mapping)."""
+    from internlm_core.errors import CheckpointError
+    from internlm_core.model.internlm.hf import llama_to_ours_name, ours_to_llama_name
+    from internlm_core.model.mtp_hf import copies_to_hf, is_mtp_layer, mtp_from_hf, mtp_to_hf
+    cfg = small_cfg()
+    args, sd = model_args_from_config(cfg), build_model(cfg, seed=4).state_dict()
+    hf = {}
+    for k, v in sd.items():
+        if k.startswith("mtp."):
+            hf.update(mtp_to_hf(k, v, args, lambda n, t: {ours_to_llama_name(n): t}))
+        else:
+            hf[ours_to_llama_name(k)] = v
+            hf.update(copies_to_hf(k, v, args))
+    assert {"model.layers.2.enorm.weight", "model.layers.3.shared_head.norm.weight", "model.layers.2.eh_proj.weight",
+            "model.layers.3.self_attn.q_proj.weight", "model.layers.2.embed_tokens.weight",
+            "model.layers.3.shared_head.head.weight"} <= set(hf)
+    assert not is_mtp_layer("model.layers.1.self_attn.q_proj.weight", args) and is_mtp_layer("model.layers.3.x", args)
+    depths = {k: v for k, v in hf.items() if is_mtp_layer(k, args)}
+    back = mtp_from_hf(depths, args, lambda block: {llama_to_ours_name(k): v for k, v in block.items()}, hf)
+    assert back.keys() == {k for k in sd if k.startswith("mtp.")}
+    assert all(torch.equal(back[k], sd[k]) for k in back)
+    hf["model.layers.3.shared_head.head.weight"] = hf["lm_head.weight"] + 1
+    with pytest.raises(CheckpointError, match=r"^model.layers.3.shared_head.head.weight differs from lm_head.weight"):
+        mtp_from_hf({k: v for k, v in hf.items() if is_mtp_layer(k, args)}, args,
+                    lambda block: {llama_to_ours_name(k): v for k, v in block.items()}, hf)
