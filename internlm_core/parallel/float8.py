@@ -43,14 +43,12 @@ def _torchao_float8() -> Any:
     return ao_float8
 
 
-def check_fp8_layout(plan: Fp8Plan, tensor: int, backend: Optional[str]) -> None:
-    """Refuse, in one line, the layouts float8 training does not (yet) compose with here."""
+def check_fp8_layout(plan: Fp8Plan, tensor: int) -> None:
+    """Refuse, in one line, the layouts low-precision training does not compose with here (gloo's float8
+    all-gather is no longer one of them: send_float8_as_bytes)."""
     if plan.mx and tensor > 1:
         raise ConfigError(f"model.fp8: {plan.recipe} not with parallel.tensor > 1 (torchao's MXFP8 weight wrapper "
                           "has no tensor-parallel styles)")
-    if plan.fsdp_float8_all_gather and backend == "gloo":
-        raise ConfigError("model.fp8.enable_fsdp_float8_all_gather: gloo cannot all-gather float8 tensors "
-                          "(\"Invalid scalar type\"); use nccl or leave it False")
 
 
 def convert_to_fp8(model: nn.Module, blocks: Iterable[nn.Module], plan: Fp8Plan, *,
@@ -135,3 +133,37 @@ def float8_tp_styles(plan: Fp8Plan) -> Optional[Callable[[nn.Module, dict], dict
         return out
 
     return styles
+
+
+_FLOAT8 = (torch.float8_e4m3fn, torch.float8_e5m2)
+
+
+def send_float8_as_bytes(model: nn.Module) -> int:
+    """model.fp8's float8 all-gather on a backend without float8 dtypes (gloo: "Invalid scalar type"): every FSDP
+    unit of `model` all-gathers through a custom AllGather that sends a float8 buffer as its bytes (a uint8 view of
+    the same memory: bitwise the float8 values). FSDP itself switches to uint8 when a unit gathers mixed dtypes (a
+    block's norms beside its float8 weights); a unit of float8 weights only would hand gloo a float8 buffer. Returns
+    the number of units; ConfigError where this torch's FSDP2 takes no custom all-gather."""
+    from torch.distributed.fsdp import FSDPModule
+    from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather
+
+    from ..utils.collectives import all_gather_single
+
+    class Float8AsBytes(AllGather):
+        def allocate(self, size: Any, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+            return torch.empty(*size, dtype=dtype, device=device)
+
+        def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: Any,
+                     async_op: bool = False) -> Any:
+            if output_tensor.dtype in _FLOAT8:
+                output_tensor, input_tensor = output_tensor.view(torch.uint8), input_tensor.view(torch.uint8)
+            return all_gather_single(output_tensor, input_tensor, group=group, async_op=async_op)
+
+    units = [m for m in model.modules() if isinstance(m, FSDPModule)]
+    for unit in units:
+        if not hasattr(unit, "set_custom_all_gather"):
+            raise ConfigError(f"model.fp8.enable_fsdp_float8_all_gather: torch {torch.__version__}'s FSDP2 takes no "
+                              "custom all-gather, which gloo needs for float8 tensors; use nccl or leave it False")
+        unit.set_custom_all_gather(Float8AsBytes())
+    return len(units)
+

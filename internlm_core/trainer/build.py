@@ -34,7 +34,7 @@ from ..numerics import Kernels, Precision, resolve_precision, select_kernels
 from ..optim import Beta2Scheduler, DynamicGradScaler, WarmupCosineLR, WarmupStableDecayLR, build_optimizer
 from ..parallel import CommCounter, family_dims, fsdp_wraps, parallel_options, parallelize_model
 from ..parallel.context import ContextCut
-from ..parallel.float8 import check_fp8_layout, convert_to_fp8, float8_tp_styles
+from ..parallel.float8 import check_fp8_layout, convert_to_fp8, float8_tp_styles, send_float8_as_bytes
 from ..utils import collectives
 from ..utils.logging import get_logger
 from ..utils.memory import keep_freed_cpu_memory, return_large_freed_cpu_memory, trainable_parameter_bytes
@@ -297,7 +297,7 @@ def build_parallel_model(inputs: ModelInputs, cfg: Config, dims: ParallelDims, l
     n_params = count_parameters(model)
     fp8 = fp8_plan(cfg.model.fp8)
     if fp8 is not None:  # float8 linears before tensor parallel, checkpointing, compile and FSDP wrap them
-        check_fp8_layout(fp8, dims.tp, launch.backend)
+        check_fp8_layout(fp8, dims.tp)
         convert_to_fp8(model, model_spec(inputs).plan.blocks(model), fp8, device=launch.device,
                        grouped_experts=kernels.expert_gemm == "grouped")
     options = parallel_options(cfg)
@@ -305,6 +305,8 @@ def build_parallel_model(inputs: ModelInputs, cfg: Config, dims: ParallelDims, l
         options = dataclasses.replace(options, linear_styles=float8_tp_styles(fp8))
     model, pipeline = parallelize_model(model, model_spec(inputs), options, dims, launch.device,
                                         seed=seed, precision=precision, grad_reduce=kernels.grad_reduce)
+    if fp8 is not None and fp8.fsdp_float8_all_gather and launch.backend == "gloo" and dims.dp_shard_cp > 1:
+        send_float8_as_bytes(model)  # gloo has no float8 dtype: the gathered float8 weights travel as their bytes
     args = model_args(inputs, launch.device.type, attn_backend=kernels.attention)
     logger.info(f"model {cfg.model_type}: {n_params:,} parameters, {cfg.model.num_layers} layers, "
                 f"hidden {cfg.model.hidden_size}, attention {kernels.attention}, dtype {cfg.model.dtype}; "

@@ -1,6 +1,7 @@
-"""model.fp8 under FSDP2 and pipeline parallel (two gloo processes, CPU): the float8 linears train as one process
-does on the same global batch, and the float8 all-gather is refused on gloo in one line. Measured (4 steps): the
-pipeline run's losses equal the one-process ones bitwise, its gradient norms within 1e-7 relative.
+"""model.fp8 under FSDP2, pipeline and tensor parallel (two gloo processes, CPU): the float8 linears train as one
+process does on the same global batch; the float8 all-gather travels over gloo as bytes, bitwise FSDP's own gather.
+Measured (4 steps): the pipeline run's losses equal the one-process ones bitwise, its gradient norms within 1e-7
+relative.
 
 Without the float8 all-gather FSDP gathers the fp32 weights whole before each Float8Linear runs, so the tensorwise
 weight scale is the whole weight's as in one process; rank r's micro-batch k holds the rows the one-process run's
@@ -33,7 +34,9 @@ def one_process(tmp_path_factory):
 
 
 @pytest.mark.parametrize("layout,rel", [
-    (["parallel.zero1=-1", "data.micro_num=2"], (1e-4, 1e-3)),
+    # FSDP2: since the global token mean (a862ba2) each micro-batch's loss gradient is scaled by its tokens' share,
+    # which float8 rounding amplifies to 1.1e-3 in the step-4 gradient norm (measured; 1e-3 passed before)
+    (["parallel.zero1=-1", "data.micro_num=2"], (1e-4, 3e-3)),
     (["parallel.zero1=1", "parallel.pipeline=2", "data.micro_num=4"], (1e-4, 1e-3)),
     # tensor parallel: the weights' and activations' amaxes are DTensor reductions over both ranks (the scales of
     # one process); the row-parallel partial sums add in another order, which float8 rounding can amplify
@@ -51,7 +54,13 @@ def test_float8_trains_as_one_process(tmp_path, one_process, layout, rel):
     assert got[-1]["loss"] < got[0]["loss"]
 
 
-def test_float8_all_gather_is_refused_on_gloo(tmp_path):
-    p, _ = _run(tmp_path, "gather", 2, ["model.fp8={'recipe_name': 'tensorwise', 'enable_fsdp_float8_all_gather': True}"])
-    assert p.returncode != 0
-    assert "model.fp8.enable_fsdp_float8_all_gather: gloo cannot all-gather float8 tensors" in p.stdout + p.stderr
+def test_float8_all_gather_on_gloo_travels_as_bytes():
+    """FSDP2 units of float8 weights only (tests/dist/fp8_gather_driver.py): plain gloo refuses their float8 buffer,
+    send_float8_as_bytes gathers it as uint8, bitwise FSDP's fp32 all-gather's outputs and gradients."""
+    from tests.helpers import warm
+    from tests.helpers.launch import ROOT, env
+
+    p = warm.run(str(ROOT / "tests/dist/fp8_gather_driver.py"), [], env(), ROOT, timeout=180, nproc=2)
+    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-3000:]
+    assert p.stdout.count("plain gloo refused: Invalid scalar type") == 2, p.stdout
+    assert p.stdout.count("bytes ok") == 2, p.stdout

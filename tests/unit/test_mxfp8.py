@@ -39,7 +39,7 @@ def test_spellings_and_refusals():
     with pytest.raises(ConfigError, match="enable_fsdp_float8_all_gather"):
         fp8_plan({"recipe_name": "mxfp8", "enable_fsdp_float8_all_gather": True})
     with pytest.raises(ConfigError, match="mxfp8_rceil not with parallel.tensor > 1"):
-        check_fp8_layout(Fp8Plan("mxfp8_rceil"), 2, "nccl")
+        check_fp8_layout(Fp8Plan("mxfp8_rceil"), 2)
     assert mx_kernel(Fp8Plan("mxfp8_rceil"), torch.device("cpu")) == "emulated"
 
 
