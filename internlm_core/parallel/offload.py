@@ -11,7 +11,8 @@ launch costs more than the memory it frees: masks, cu_seqlens, norms' statistics
 of them (nn.Parameter or a view whose `_base` is one: the weights a matmul saves are there anyway), and tensor
 subclasses (DTensor: tensor parallel's matmuls save DTensor inputs, so the offload would move only part of a block
 under it and is refused there, `check_offload`). A tensor one block's forward
-saves several times (the normed input of separate q, k, v projections) is copied once; one saved by several blocks
+saves several times (the normed input of separate q, k, v projections), or saves as several views of one run
+of memory (the attention probabilities and their batched matmul's reshape), is copied once; one saved by several blocks
 (the rotary tables) is copied by each.
 
 The copies, on CUDA (`CudaOps`): pack records an event on the compute stream, the side stream waits for it and
@@ -57,8 +58,9 @@ def is_parameter(t: torch.Tensor) -> bool:
 
 
 def _geometry(t: torch.Tensor) -> tuple:
-    """Where t's elements are: two live tensors with the same geometry read the same memory."""
-    return (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), tuple(t.stride()), t.dtype)
+    """The run of memory t's elements lie in: two live tensors with the same one (views of each other, a softmax's
+    output and the batched matmul's reshape of it) are served by one copy of that run."""
+    return (t.untyped_storage().data_ptr(), t.storage_offset(), _span(t), t.dtype)
 
 
 def _span(t: torch.Tensor) -> int:
@@ -161,6 +163,15 @@ class _Saved:
         self.h2d_done: Any = None
 
 
+class _View:
+    """Another view (its size and strides) of the run of memory an offloaded tensor's copy holds."""
+
+    __slots__ = ("base", "size", "stride")
+
+    def __init__(self, base: _Saved, size: torch.Size, stride: tuple):
+        self.base, self.size, self.stride = base, size, stride
+
+
 @dataclass(eq=False)
 class _Group:
     """One forward of one block. Only the autograd graph holds _Saved (and through them their group) strongly: the
@@ -172,7 +183,8 @@ class _Group:
     fetched: bool = False   # its copies back started
     started: bool = False   # backward unpacked one of its tensors
     last_d2h: Any = None    # the event of its last copy out
-    seen: dict = field(default_factory=dict)  # during its forward: tensor geometry -> (weakref t, version, _Saved)
+    seen: dict = field(default_factory=dict)  # during its forward: run of memory -> (weakref t, version, _Saved,
+    #                                            t's size and strides)
 
     def __hash__(self) -> int:
         return id(self)
@@ -236,26 +248,34 @@ class Offloader:
         ops.record_stream(t, side)  # t's memory is not reused before the copy has read it
         saved = _Saved(self._current, host, ops.record_event(side), t.device)
         self._current.last_d2h = saved.d2h_done
-        self._current.seen[_geometry(t)] = (weakref.ref(t), t._version, saved)
+        self._current.seen[_geometry(t)] = (weakref.ref(t), t._version, saved, (t.size(), t.stride()))
         self._current.saved.append(weakref.ref(saved))
         self.stats.offloaded += 1
         self.stats.offloaded_bytes += t.numel() * t.element_size()
         return saved
 
-    def _again(self, t: torch.Tensor) -> Optional[_Saved]:
-        """The _Saved of t if this block's forward already offloaded t (the same live tensor, unmodified since)."""
+    def _again(self, t: torch.Tensor) -> Any:
+        """The _Saved of t (or a _View of it) if this block's forward already offloaded the run of memory t's
+        elements lie in (through a tensor still alive, unmodified since)."""
         hit = self._current.seen.get(_geometry(t))
         if hit is None or hit[0]() is None or t._version != hit[1]:
             return None
         self.stats.deduplicated += 1
         self.stats.deduplicated_bytes += t.numel() * t.element_size()
-        return hit[2]
+        if hit[3] == (t.size(), t.stride()):
+            return hit[2]
+        return _View(hit[2], t.size(), t.stride())
 
     def unpack(self, packed: Any) -> torch.Tensor:
         """Backward: the device copy of a packed tensor, ready on the stream that asks for it."""
         self.stats.unpacks += 1
+        if isinstance(packed, _View):
+            return self._unpack(packed.base).as_strided(packed.size, packed.stride, 0)
         if not isinstance(packed, _Saved):
             return packed
+        return self._unpack(packed)
+
+    def _unpack(self, packed: _Saved) -> torch.Tensor:
         group = packed.group
         if not group.started:  # backward reached this block: its copies back (unless prefetched), then the next
             group.started = True
