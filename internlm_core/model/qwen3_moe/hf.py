@@ -102,8 +102,9 @@ def config_from_qwen3_moe(c: Mapping, where: str = "config.json") -> dict:
         del out["intermediate_size"]  # the dense layers' width: no layer has it
     # the class has no first_k_dense_replace (0): a run's other value would build another model
     out.update(first_k_dense_replace=0, decoder_sparse_step=step, mlp_only_layers=sorted(int(i) for i in dense_layers))
-    out.update(num_experts=int(_need({"num_experts": c.get("num_local_experts"), **c}, "num_experts", where)), top_k=int(c.get("num_experts_per_tok", 8)),
-               moe_type="Dropless", moe_intermediate_size=int(_need(c, "moe_intermediate_size", where)))
+    experts = _need({"num_experts": c.get("num_local_experts"), **c}, "num_experts", where)
+    out.update(num_experts=int(experts), top_k=int(c.get("num_experts_per_tok", 8)), moe_type="Dropless",
+               moe_intermediate_size=int(_need(c, "moe_intermediate_size", where)))
     out["moe.norm_topk_prob"] = bool(c.get("norm_topk_prob", False))  # transformers' default: not renormalized
     out.update(MIXTRAL_ROUTING)
     return out
