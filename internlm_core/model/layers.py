@@ -112,11 +112,16 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] =
     in fp32 and round once (HalfLinearFp32Gemm), as a native kernel does; tensor-parallel DTensors included.
     Other devices (GPUs) always take F.linear, and so does a weight of a tensor subclass other than DTensor (a
     low-precision training wrapper such as torchao's MXFP8 weight, whose own F.linear override picks the GEMM; it
-    multiplies only, torchao 0.18 drops a bias passed to it, so the bias is added here).
+    multiplies only, torchao 0.18 drops a bias passed to it, so the bias is added here; it runs before autocast
+    would cast, so autocast's cast of both operands is done here).
     """
     if weight_subclass(weight):
-        y = F.linear(x, weight)
-        return y if bias is None else y + bias
+        if torch.is_autocast_enabled(x.device.type):
+            dtype = torch.get_autocast_dtype(x.device.type)
+            x, weight, bias = x.to(dtype), weight.to(dtype), None if bias is None else bias.to(dtype)
+        with torch.autocast(x.device.type, enabled=False):
+            y = F.linear(x, weight)
+            return y if bias is None else y + bias
     if x.device.type != "cpu":
         return F.linear(x, weight, bias)
     autocast = torch.is_autocast_enabled("cpu")

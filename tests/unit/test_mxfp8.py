@@ -82,6 +82,24 @@ def test_bias_stays_a_plain_parameter_added_outside_the_gemm():
     assert 0 < ((g - g_ref).norm() / g_ref.norm()).item() < 0.05
 
 
+def test_autocast_casts_both_operands():
+    """One process, 16-bit compute over fp32 parameters: torchao's override runs before autocast would cast, so the
+    linear casts input and weight itself (a bf16 input beside an fp32 weight failed in the emulated GEMM)."""
+    from internlm_core.model.layers import Linear
+
+    torch.manual_seed(0)
+    model = nn.Sequential(Linear(64, 128, bias=True))
+    ref = nn.Sequential(Linear(64, 128, bias=True))
+    ref.load_state_dict(model.state_dict())
+    convert_to_fp8(model, [model], fp8_plan("mxfp8"))
+    x = torch.randn(64, 64).bfloat16()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out, out_ref = model(x), ref(x)
+    assert out.dtype == torch.bfloat16 and ((out - out_ref).float().norm() / out_ref.float().norm()).item() < 0.1
+    out.float().sum().backward()
+    assert model[0].weight.grad.dtype == torch.float32 and torch.isfinite(model[0].weight.grad).all()
+
+
 def test_short_training_tracks_fp32():
     ref, model = tiny(), tiny()
     convert_to_fp8(model, blocks(model), fp8_plan("mxfp8"))
