@@ -3,12 +3,12 @@
 #
 # Recommended layout on 64 GPUs (tools/estimate.py --gpus 64: bf16, activation checkpointing, FSDP over all 64
 # ranks = data 8 x context 8), per GPU:
-#   context=dict(size=8, mode="all_to_all")  16,384 tokens per rank (8 k/v heads: one per rank); peak 14.5 GiB
-#       (activations 9.7, parameters 0.45, AdamW 0.9), 17.5 GiB sent per step in all-to-alls   <- set below
+#   context=dict(size=8, mode="all_to_all")  16,384 tokens per rank (8 k/v heads: one per rank); peak 11.9 GiB
+#       (activations 7.1, parameters 0.45, AdamW 0.9), 17.5 GiB sent per step in all-to-alls   <- set below
 #   context=dict(size=8, mode="ring")         the same memory; 60 GiB sent per step (k/v and their fp32 gradients
 #       travel around the ring): for head counts all_to_all cannot split
-#   context=dict(size=16, mode="2d", inner=8) data 4: peak 9.7 GiB, 14.8 GiB sent (all-to-all inside 8, ring of 2)
-#   context=dict(size=4, mode="all_to_all")   data 16: peak 24.1 GiB, 30 GiB sent per step
+#   context=dict(size=16, mode="2d", inner=8) data 4: peak 8.4 GiB, 14.8 GiB sent (all-to-all inside 8, ring of 2)
+#   context=dict(size=4, mode="all_to_all")   data 16: peak 19.0 GiB, 30 GiB sent per step
 # Estimated, not measured on GPUs (no GPU here); `tools/estimate.py --config configs/7B_128k.py --gpus 64`.
 JOB_NAME = "7b_128k"
 
@@ -36,11 +36,16 @@ model = dict(
     vocab_size=92544,
     rope_base=1_000_000.0,  # a large rotary base: positions up to 128K stay distinguishable
     dtype="torch.bfloat16",
-    checkpoint=True,  # at 16K tokens per rank, recomputing the blocks is what makes the activations fit
-    # ("selective" would keep every block's matmul outputs, ~50 GiB more at 16K tokens per rank: not here)
-    # the fused head drops 2.8 GiB of logits and what the loss keeps of them, but its backward's weight-gradient
-    # buffers make the estimated peak 14.8 GiB against 14.5: off (tools/estimate.py --gpus 64)
+    # Memory policies, by `tools/estimate.py --config configs/7B_128k.py --gpus 64` (peak per GPU, 16K tokens per
+    # rank): checkpoint=True 11.9 GiB; "selective" 58.0 GiB and 0.5 51.0 GiB (every kept layer's matmul outputs at
+    # 16K tokens); none 90 GiB. Recomputing the blocks is what makes the activations fit.
+    checkpoint=True,
+    # the fused head drops the 2.8 GiB of logits but its fp32 weight-gradient accumulator and chunks make the peak
+    # 12.2 GiB against 11.9: off
     fused_head_loss=False,
+    # offload (the recomputed layers' inputs, 4.5 GiB, to the host) would lower the peak to 7.9 GiB, its copies
+    # hidden by the ~8 s step; not needed at 11.9 GiB: off (on for GPUs under 16 GiB)
+    offload_activations=False,
     use_flash_attn=True,
 )
 

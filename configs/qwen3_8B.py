@@ -42,13 +42,18 @@ model = dict(
     vocab_size=151936,
     rope_base=1000000.0,
     layer_norm_epsilon=1e-6,
-    # per-op recomputation (matmul and attention outputs kept, elementwise ops recomputed): no matmul is run twice.
-    # tools/estimate.py --gpus 8 (counting selective as keeping every activation, an upper bound): 42.5 GiB per GPU
-    # at 4,096 tokens per micro-batch, against 24.5 GiB with checkpoint=True; use True on GPUs under 48 GiB
+    # Memory policies, by `tools/estimate.py --config configs/qwen3_8B.py --gpus 8` (peak per GPU, 4,096 tokens per
+    # micro-batch): no recomputation 42.5 GiB; "selective" 33.2 GiB (each layer keeps its matmul and attention
+    # outputs, the elementwise ops are recomputed: no matmul runs twice); checkpoint=0.5 31.9 GiB and True 24.5 GiB
+    # (+15% / +31% FLOPs per token). Selective: use True on GPUs under 40 GiB.
     checkpoint="selective",
-    # the fused head (model.fused_head_loss) drops the 1.2 GiB of bf16 logits but its backward's weight-gradient
-    # buffers (fp32 accumulator, 16-bit cast) raise the estimated peak here (25.3 against 24.5 GiB): off
+    # the fused head (model.fused_head_loss) drops the 1.2 GiB of bf16 logits, but its backward's fp32 weight-gradient
+    # accumulator (4 x vocab x hidden, 2.3 GiB) and fp32 chunks raise the estimated peak: 36.5 GiB against 33.2. Off.
     fused_head_loss=False,
+    # activation offload under "selective" moves only the layers' inputs (1.3 GiB to the host) for 32.1 GiB; without
+    # recomputation it reaches 24.5 GiB but copies 22 GiB per micro-batch each way over PCIe, more than the
+    # micro-batch's compute time hides. Off.
+    offload_activations=False,
     dtype="torch.bfloat16",
     use_flash_attn=True,
 )
