@@ -145,14 +145,19 @@ def fused_head_wins(setting, vocab: int, tokens: int) -> bool:
 
 class FusedHead:
     """The model's output layer (`model.output`, its weight [V, h] or a tensor-parallel DTensor of its rows),
-    applied by the loss instead of the model: `deferred(model)` runs the model up to the head's input."""
+    applied by the loss instead of the model: `deferred(model)` runs the model up to the head's input.
+    sequence_parallel: under tensor + sequence parallel the head's input arrives as this rank's slice of the
+    sequence (dim 1, the final norm's local output): it is all-gathered over the weight's mesh (a DTensor
+    redistribution, whose backward hands each rank its slice of the gradient, which the fused backward already
+    summed over the vocabulary shards), as the unfused output layer's ColwiseParallel does."""
 
-    def __init__(self, model: nn.Module):
+    def __init__(self, model: nn.Module, sequence_parallel: bool = False):
         if not isinstance(getattr(model, "output", None), nn.Linear) or model.output.bias is not None:
             raise ConfigError(f"model.fused_head_loss: expected the model's output layer `output` to be a linear "
                               f"layer without bias, got {type(getattr(model, 'output', None)).__name__}")
         self.model = model
         self.output = model.output
+        self.sequence_parallel = sequence_parallel
 
     @contextlib.contextmanager
     def deferred(self) -> Iterator[None]:
@@ -172,9 +177,12 @@ class FusedHead:
             if weight.device_mesh.ndim != 1 or weight.placements[0] != Shard(0):
                 raise ValueError(f"fused head: expected the output weight sharded by rows over one mesh "
                                  f"dimension, got {weight.placements}")
-            group = weight.device_mesh.get_group()
+            mesh = weight.device_mesh
+            group = mesh.get_group()
             local = weight.to_local()
-            start, weight = weight.device_mesh.get_local_rank() * local.shape[0], local
+            start, weight = mesh.get_local_rank() * local.shape[0], local
+            if self.sequence_parallel and not isinstance(hidden, DTensor):  # this rank's slice of the sequence
+                hidden = DTensor.from_local(hidden, mesh, (Shard(1),), run_check=False)
         if isinstance(hidden, DTensor):
             hidden = hidden.full_tensor()
         return fused_head_cross_entropy(hidden, weight, labels, label_smoothing, z_loss, group, start, vocab)

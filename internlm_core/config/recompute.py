@@ -34,12 +34,11 @@ def fused_head_enabled(setting: Union[bool, str], vocab: int, tokens: int, pipel
                        sequence_parallel: bool) -> bool:
     """Whether the output head and the loss are fused (model.fused_head_loss: True, False or "auto"; `vocab` and
     `tokens` per rank and micro-batch). Not under pipeline parallel (the last stage's loss gets logits from torch's
-    schedule) nor under sequence parallel with tensor parallel (the head's input arrives sequence-sharded): True
-    is refused there in one line, "auto" is off."""
+    schedule): True is refused there in one line, "auto" is off. Under tensor + sequence parallel the head's
+    sequence-sharded input is gathered (fused_head.FusedHead)."""
     if setting not in (True, False, "auto"):
         raise ConfigError(f"model.fused_head_loss: expected True, False or \"auto\", got {setting!r}")
-    blocked = "pipeline parallel" if pipeline > 1 else \
-        "sequence parallel" if sequence_parallel and tensor > 1 else None
+    blocked = "pipeline parallel" if pipeline > 1 else None
     if setting is True and blocked:
         raise ConfigError(f"model.fused_head_loss: not under {blocked} (set it False or \"auto\")")
     if setting == "auto":

@@ -108,7 +108,7 @@ def build_loss(cfg: Config, kernels: Kernels, model: Optional[torch.nn.Module] =
     layer itself (fused_head.py), the model stopping before it in training."""
     loss = FlashGPTLMLoss(kernels.cross_entropy, label_smoothing=cfg.loss.label_smoothing)
     if model is not None and fused_head_of(cfg):
-        loss.fused_head = FusedHead(model)
+        loss.fused_head = FusedHead(model, cfg.parallel.sequence_parallel and cfg.parallel.tensor > 1)
         logger.info("fused output head and cross entropy (model.fused_head_loss): no [tokens, vocab] logits")
     return loss
 

@@ -3,7 +3,8 @@ each rank runs): the head weight a DTensor sharded by vocabulary rows (ColwisePa
 FusedHead as the trainer uses it), the per-chunk max / sum of exponentials / label logit all-reduced over the
 tensor group. The loss, the metrics' cross entropy and argmax, the hidden states' gradient and each rank's rows of
 the weight's gradient equal the one-process unfused head (F.linear + cross entropy) to 1e-5 in fp32, with label
-smoothing and z-loss."""
+smoothing and z-loss; under sequence parallel too (each rank's input its slice of the sequence, its gradient that
+slice's)."""
 
 from __future__ import annotations
 
@@ -22,14 +23,14 @@ def test_fused_head_tensor_parallel_2_equals_one_process():
 
 
 def test_train_py_tensor_parallel_2_fused_head_equals_unfused(tmp_path):
-    """train.py on configs/tiny.py at tensor parallel 2 with label smoothing: the fused head's step losses and
-    metrics are the unfused head's (measured: the same to 1e-7, and the same as one process)."""
+    """train.py on configs/tiny.py at tensor parallel 2 + sequence parallel with label smoothing: the fused head's
+    step losses and metrics are the unfused head's (measured: the same to 1e-7, and the same as one process)."""
     from tests.helpers.launch import read_metrics, run_train
     runs = {}
     for fused in (True, False):
         run = tmp_path / f"fused_{fused}"
         p = run_train(["--config", "configs/tiny.py", "--run-dir", str(run), "--set", f"model.fused_head_loss={fused}",
-                       "parallel.tensor=2", "data.total_steps=3", "lr_scheduler.total_steps=3", "data.valid_every=0",
+                       "parallel.tensor=2", "parallel.sequence_parallel=True", "data.total_steps=3", "lr_scheduler.total_steps=3", "data.valid_every=0",
                        "monitor.tensorboard=False", "loss.label_smoothing=0.1"], nproc=2)
         assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-3000:]
         runs[fused] = read_metrics(run)
@@ -82,6 +83,23 @@ def check(rank: int, smoothing: float, z: float) -> None:
     grad_w = model.output.weight.grad
     assert grad_w.placements == (Shard(0),), grad_w.placements
     torch.testing.assert_close(grad_w.to_local(), wr.grad[rank * 50:(rank + 1) * 50], **tol)
+
+    # sequence parallel: [1, 31 + 1 tokens] cut along the sequence, this rank's 16 rows in, the full labels
+    xs = torch.cat([x, x[:1]]).unsqueeze(0)
+    ls = torch.cat([labels, labels[:1]]).unsqueeze(0)
+    xsr, wsr = xs.clone().requires_grad_(), w.clone().requires_grad_()
+    logits = F.linear(xsr, wsr)
+    vs = ls != -100
+    ref = (F.cross_entropy(logits.flatten(0, 1), ls.flatten(), ignore_index=-100, reduction="none",
+                           label_smoothing=smoothing) + z * torch.logsumexp(logits, -1).flatten() ** 2 * vs.flatten())
+    (ref.sum() / vs.sum()).backward()
+    model.output.weight.grad = None
+    mine = xs[:, rank * 16:(rank + 1) * 16].clone().requires_grad_()
+    token_losses, _, _ = FusedHead(model, sequence_parallel=True)(mine, ls, smoothing, z)
+    (token_losses.sum() / vs.sum()).backward()
+    torch.testing.assert_close(token_losses, ref.detach(), **tol)
+    torch.testing.assert_close(mine.grad, xsr.grad[:, rank * 16:(rank + 1) * 16], **tol)
+    torch.testing.assert_close(model.output.weight.grad.to_local(), wsr.grad[rank * 50:(rank + 1) * 50], **tol)
 
 
 def main() -> None:
