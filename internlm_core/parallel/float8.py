@@ -110,13 +110,21 @@ def _convert_mx(model: nn.Module, blocks: list[nn.Module], plan: Fp8Plan, device
     return ", GEMMs emulated (dequantized, then high precision)" if kernel == "emulated" else ", torchao's MXFP8 GEMMs"
 
 
-def float8_tp_styles(plan: Fp8Plan) -> Optional[Callable[[nn.Module, dict], dict]]:
+def float8_tp_styles(plan: Fp8Plan, backend: Optional[str] = None,
+                     sequence_parallel: bool = False) -> Optional[Callable[[nn.Module, dict], dict]]:
     """The family plan's hook for tensor parallel (TensorParallelOptions.linear_styles) under `plan`: the tensorwise
     recipe gets torchao's Float8ColwiseParallel / Float8RowwiseParallel for its Float8Linear modules (each input
     cast to float8 once with the scale of the whole tensor, then redistributed in float8; the output gradient cast
     in backward), as torchtitan does; rowwise recipes keep the plain styles (their scales are per row: DTensor's
-    reductions give the amaxes), and so does a linear left in high precision. None: no change."""
+    reductions give the amaxes), and so does a linear left in high precision. None: no change. On gloo with
+    sequence parallel the float8 styles would all-gather float8 DTensors, which gloo cannot ("Invalid scalar
+    type"): the plain styles there (the same scales: DTensor reduces the amaxes; the gathers in high precision),
+    said once in the log."""
     if plan.mx or plan.recipe != "tensorwise":
+        return None
+    if backend == "gloo" and sequence_parallel:
+        logger.info("model.fp8: tensor parallel with DTensor's plain styles (gloo cannot all-gather the float8 "
+                    "sequence-parallel activations of torchao's float8 styles)")
         return None
 
     def styles(block: nn.Module, block_plan: dict) -> dict:

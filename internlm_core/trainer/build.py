@@ -302,7 +302,8 @@ def build_parallel_model(inputs: ModelInputs, cfg: Config, dims: ParallelDims, l
                        grouped_experts=kernels.expert_gemm == "grouped")
     options = parallel_options(cfg)
     if fp8 is not None:  # tensor parallel: torchao's float8 styles for the tensorwise recipe
-        options = dataclasses.replace(options, linear_styles=float8_tp_styles(fp8))
+        options = dataclasses.replace(options, linear_styles=float8_tp_styles(fp8, launch.backend,
+                                                                              cfg.parallel.sequence_parallel))
     model, pipeline = parallelize_model(model, model_spec(inputs), options, dims, launch.device,
                                         seed=seed, precision=precision, grad_reduce=kernels.grad_reduce)
     if fp8 is not None and fp8.fsdp_float8_all_gather and launch.backend == "gloo" and dims.dp_shard_cp > 1:
