@@ -142,7 +142,10 @@ def apply_low_precision(e: Any, c: Any, acts: Any, shared: float, pipeline_rank:
         if hasattr(old, name):
             setattr(e.memory, name, getattr(old, name))
     block_gathers = c.layers * (2 if lay.pp == 1 else 1) * d.micro_num if e.communication.gathers else 0
+    before = f"{e.communication.gathered_bytes / 2**30:.2f} GiB gathered"
     e.communication.gathered_bytes -= block_gathers * saving
+    after = f"{e.communication.gathered_bytes / 2**30:.2f} GiB gathered"
+    e.notes = [n.replace(before, after) if n.startswith("FSDP per step:") else n for n in e.notes]
     e.muon_gather_bytes = 4 * lp.gathered_global * c.layers
     e.notes += describe(lp, block_gathers * saving, e.muon_gather_bytes)
 

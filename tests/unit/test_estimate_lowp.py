@@ -39,6 +39,8 @@ def test_float8_all_gather_halves_the_gathered_block_weights():
     gathers = LAYERS * 2 * 2  # each block gathered for forward and backward, every micro-batch
     assert base.communication.gathered_bytes - gather.communication.gathered_bytes == gathers * BLOCK
     assert base.memory.fsdp_gathered - gather.memory.fsdp_gathered == 2 * BLOCK  # the running and prefetched block
+    gib = gather.communication.gathered_bytes / 2**30
+    assert any(n.startswith(f"FSDP per step: {gib:.2f} GiB gathered") for n in gather.notes), gather.notes
     plain = _est("model.fp8=tensorwise", world=2)
     assert plain.communication.gathered_bytes == base.communication.gathered_bytes
 
