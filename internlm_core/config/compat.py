@@ -22,6 +22,7 @@ from ..errors import ConfigError
 from .context import context_forms
 from .moe_compat import moe_forms
 from .mtp import mtp_forms
+from .pipeline import zero_bubble_schedule
 from .schema import Config
 
 # InternEvo's parallel.tensor modes and InternLM develop's spellings of them → (sequence parallel, what it means)
@@ -95,11 +96,7 @@ _COMPAT: dict[tuple[str, str], Rule] = {
     ("model", "checkpoint_fraction"): (None, "model.checkpoint takes the fraction"),
     ("parallel", "zero1.fsdp"): (None, "sharding is always FSDP2 when parallel.zero1 != 1"),
     ("parallel", "pipeline.interleaved_overlap"): (None, "torch.distributed.pipelining schedules communication"),
-    ("parallel", "pipeline.mode"): (None, "the schedule is 1F1B (interleaved with model.num_chunks > 1)"),
-    ("parallel", "pipeline.zero_bubble"): (lambda v: not v, "zero-bubble pipeline schedules are not implemented: "
-                                           "the schedule would be plain 1F1B (torch's ScheduleZBVZeroBubble is not "
-                                           "wired in; with compiled blocks its split backward gives wrong weight "
-                                           "gradients, issue 38); set it False"),
+    ("parallel", "pipeline.mode"): (None, "the schedule is parallel.pipeline_schedule's"),
     ("parallel", "tensor.overlap"): (None, "communication overlap is the compiler's and NCCL's"),
     ("parallel", "tensor.intern_overlap"): (None, "communication overlap is the compiler's and NCCL's"),
     ("parallel", "tensor.memory_pool"): (None, "the caching allocator"),
@@ -193,8 +190,8 @@ def _take_section(section_dict: dict, section: str, notes: CompatNotes) -> None:
 
 # InternLM's dict forms of parallel keys → the sub-keys _parallel translates (as the error message lists them); the
 # other sub-keys each form accepts are its compatibility-only keys in _COMPAT ("<form>.<sub-key>")
-_PARALLEL_FORMS = {"zero1": ("size",), "pipeline": ("size",), "tensor": ("size", "mode (mtp, msp, fsp, isp)", "sp"),
-                   "weight": ("size",)}
+_PARALLEL_FORMS = {"zero1": ("size",), "pipeline": ("size", "zero_bubble"),
+                   "tensor": ("size", "mode (mtp, msp, fsp, isp)", "sp"), "weight": ("size",)}
 
 
 def _sub_keys(form: str) -> list[str]:
@@ -235,12 +232,30 @@ def _parallel(raw: dict, notes: CompatNotes) -> None:
             value = _unpack(form, par[form])
             par[form] = value.get("size", default_size)
             _take_sub_keys(par, form, value, notes)
+            if form == "pipeline" and value.get("zero_bubble"):
+                _zero_bubble(par, raw, notes)
     isp_size = par["tensor"].get("size", 1) if isinstance(par.get("tensor"), dict) else None
     tensor_mode = _tensor(par, notes)
     # InternEvo's isp (and sequence_2D over it) is context parallel here; `parallel.context=N` becomes a dict
     context_forms(par, isp_size if tensor_mode == "isp" else None, notes.mapped, notes.compat)
     _weight(par, tensor_mode, notes)
     _take_section(par, "parallel", notes)  # the dotted ones are gone with their dicts: what is left, top-level keys
+
+
+def _zero_bubble(par: dict, raw: dict, notes: CompatNotes) -> None:
+    """InternEvo's parallel.pipeline=dict(zero_bubble=True) -> parallel.pipeline_schedule: its ZB-H1 (one chunk per
+    rank) as torch's interleaved_zb, its ZB-V (two) as zbv (config/pipeline.py); an explicit other schedule refused.
+    Pipeline size 1 (InternEvo then runs no pipeline either): noted, nothing to schedule."""
+    if par["pipeline"] == 1:
+        notes.mapped.append("parallel.pipeline.zero_bubble=True with pipeline size 1: no pipeline to schedule")
+        return
+    model = raw.get("model")
+    name = zero_bubble_schedule(model.get("num_chunks", 1) if isinstance(model, dict) else 1)
+    if par.get("pipeline_schedule", name) != name:
+        raise ConfigError(f"parallel.pipeline.zero_bubble=True maps to parallel.pipeline_schedule={name!r}, but "
+                          f"parallel.pipeline_schedule={par['pipeline_schedule']!r} is set; set only one of them")
+    par["pipeline_schedule"] = name
+    notes.mapped.append(f"parallel.pipeline.zero_bubble=True -> parallel.pipeline_schedule={name!r}")
 
 
 def _tensor(par: dict, notes: CompatNotes) -> Optional[str]:

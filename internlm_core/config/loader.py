@@ -25,6 +25,7 @@ from .compat import normalize
 from .context import check_context
 from .fault_tolerance import check_fault_tolerance
 from .overrides import apply_overrides, parse_overrides
+from .pipeline import check_pipeline_schedule
 from .hf_folder import adopt_hf_folder, explicit_keys
 from .schema import TRACKERS, Config, DataConfig, LoadCkptInfo
 
@@ -372,6 +373,7 @@ def _check_layout(cfg: Config, world_size: int | None) -> None:
     if p.pipeline > 1 and d.micro_num < p.pipeline:
         raise ConfigError(f"data.micro_num ({d.micro_num}) must be at least parallel.pipeline ({p.pipeline}) "
                           f"to keep every stage busy")
+    check_pipeline_schedule(p.pipeline_schedule, p.pipeline, m.num_chunks, d.micro_num, m.compile)
     if p.tensor > 1 and m.vocab_size % p.tensor:
         raise ConfigError(f"parallel.tensor ({p.tensor}) must divide model.vocab_size ({m.vocab_size}) "
                           f"for the vocabulary-parallel embedding and output")

@@ -10,6 +10,7 @@ import torch
 from ..fused_head import chunk_rows
 from ..model.counts import ActivationContext, Term
 from .figures import Layout
+from .pipeline import pipeline_in_flight
 from .terms import ModelFigures, per_device
 
 # Bytes of one fp32 chunk of rows of the fused chunked cross entropy (loss.py _CHUNK_BYTES, _CUDA_CHUNK_BYTES;
@@ -137,7 +138,7 @@ class StageActivations:
 
     def middle(self, lay: Layout, rank: int, micro_num: int, shared: float) -> float:
         """A middle stage: its layers only, with (pp - rank) micro-batches in flight under 1F1B."""
-        flight = min(lay.pp - rank, micro_num) * self.in_flight / min(lay.pp, micro_num)
+        flight = pipeline_in_flight(lay, micro_num, rank)
         return self.tokens * flight * (self.layers + shared)
 
     def last(self, loss_peak: float) -> float:
@@ -168,9 +169,7 @@ def stage_activations(tb: TokenBytes, lay: Layout, layers: int, checkpointed: in
     block's inputs (its hidden states and the tables it is passed, `shared`; a selective block's kept matmul
     outputs stay on the device, in the checkpoint's cache); in backward the device holds two blocks' worth, the
     one backward is in and the one prefetched (tensors under 16 KiB and the weights' views left out)."""
-    in_flight = min(lay.pp, micro_num) if lay.pp > 1 else 1
-    if lay.pp > 1 and lay.num_chunks > 1:
-        in_flight *= 1 + (lay.pp - 1) / (lay.pp * lay.num_chunks)
+    in_flight = pipeline_in_flight(lay, micro_num, 0)  # from the schedule's action list (estimate/pipeline.py)
     plain = layers - checkpointed
     kept_ck, rebuilt = block_policy(tb, policy) if checkpointed else (0.0, 0.0)
     kept = plain * tb.block + checkpointed * kept_ck

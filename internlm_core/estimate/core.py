@@ -6,6 +6,7 @@ from dataclasses import dataclass
 from typing import Any, Optional
 
 from ..config import Config
+from ..config.pipeline import SPLIT_BACKWARD, V_SHAPED
 from ..config.recompute import checkpoint_plan, fused_head_of
 from ..model import get_model_spec, model_args_from_config
 from ..model.counts import ActivationContext
@@ -48,6 +49,8 @@ def choose_kernels(cfg: Config, lay: Layout, numerics: Any, device: str, attenti
         cross_entropy = "fused_head"
     if grad_reduce is None:
         grad_reduce = select_grad_reduce(lay.dp, lay.dp_shard, lay.pp, d.micro_num, [])
+        if lay.pp > 1 and lay.pipeline_schedule in SPLIT_BACKWARD:  # parallel/pipeline.py: reduced once per step
+            grad_reduce = "step"
     if linear is None:
         feats = (cpu or cpu_features.current()) if device == "cpu" else CpuFeatures()
         linear = select_linear(device, numerics, feats.onednn_linear, feats.native_half_gemm)
@@ -234,7 +237,11 @@ def notes(e: Estimate, c: StageContext, in_flight: float, pipeline_rank: Optiona
     if lay.pp > 1:
         which = f"stage {pipeline_rank} ('{mem.stage}')" if pipeline_rank is not None else \
             f"busiest stage '{mem.stage}'"
-        out.append(f"pipeline: {which}, {in_flight:g} micro-batch(es) in flight on the first")
+        out.append(f"pipeline: {which}, {in_flight:g} micro-batch(es) in flight on the first "
+                   f"({lay.pipeline_schedule} schedule's action list)")
+        if lay.pipeline_schedule in V_SHAPED:
+            out.append(f"{lay.pipeline_schedule}: rank 0 runs the first and the last stage (embedding and head); "
+                       f"the stage memory counts them on the first and the last rank as for 1F1B")
     comm = e.communication
     if comm.gathers:
         out.append(f"FSDP per step: {comm.gathered_bytes / GiB:.2f} GiB gathered in {comm.gathers} all-gathers, "

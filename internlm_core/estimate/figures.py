@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 from typing import Any, Mapping, Optional
 
 from ..config import Config
+from ..config.pipeline import resolve_schedule
 
 GiB = 1024**3
 PRECISIONS = ("internlm_core", "internlm")
@@ -32,6 +33,7 @@ class Layout:
     cp: int = 1
     cp_mode: str = "ring"  # parallel.context.mode / inner
     cp_inner: int = 1
+    pipeline_schedule: str = "1f1b"  # config/pipeline.py's resolved name (estimate/pipeline.py simulates it)
 
     @classmethod
     def from_config(cls, cfg: Config, world_size: int, plan: Any = None) -> "Layout":
@@ -40,7 +42,8 @@ class Layout:
         dp = max(world_size // (p.tensor * p.pipeline * cp), 1)
         shard = dp if p.zero1 <= 0 else 1 if p.zero1 == 1 else min(p.zero1, dp)
         return cls(world_size, p.tensor, p.pipeline, dp * cp, shard * cp, cfg.model.num_chunks, p.sequence_parallel,
-                   family_dims(cfg, plan, shard), cp=cp, cp_mode=p.context.mode, cp_inner=p.context.inner)
+                   family_dims(cfg, plan, shard), cp=cp, cp_mode=p.context.mode, cp_inner=p.context.inner,
+                   pipeline_schedule=resolve_schedule(p.pipeline_schedule, cfg.model.num_chunks))
 
     @property
     def data(self) -> int:
@@ -61,7 +64,8 @@ class Layout:
                    f" FSDP shards over {self.dp_shard})") if self.cp > 1 else ""
         return (f"{self.world_size} device(s): data {self.data} ({zero}{own}){context}, tensor {self.tp}"
                 f"{' + sequence parallel' if self.sequence_parallel else ''}, pipeline {self.pp}"
-                f"{f' x {self.num_chunks} chunks' if self.num_chunks > 1 else ''}")
+                f"{f' x {self.num_chunks} chunks' if self.num_chunks > 1 else ''}"
+                f"{f' ({self.pipeline_schedule} schedule)' if self.pp > 1 else ''}")
 
 
 def family_dims(cfg: Config, plan: Any, dp_shard: int) -> dict[str, int]:

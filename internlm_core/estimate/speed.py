@@ -52,6 +52,7 @@ from ..utils.accelerators import NOT_INSTALLED, WORKING
 from .figures import Estimate
 from .gpus import EFFICIENCY, GpuSpec
 from .lowp import fp8_flops_per_token, low_precision_terms
+from .pipeline import profile
 from .terms import divisor
 
 ATTENTION_BACKWARD_FLOPS = 2.5   # FA2's backward: five matmuls against the forward's two
@@ -222,7 +223,9 @@ def predict(e: Estimate, gpu: GpuSpec, kernels: Optional[SpeedKernels] = None) -
     terms = compute_terms(e, gpu, k)
     compute = sum(terms.values())
     lay = e.layout
-    terms["pipeline bubble"] = compute * (lay.pp - 1) / (lay.num_chunks * e.cfg.data.micro_num)
+    # the schedule's own action lists simulated with unit F / B / I / W times (estimate/pipeline.py)
+    terms["pipeline bubble"] = compute * (profile(lay.pipeline_schedule, lay.pp, lay.num_chunks,
+                                                  e.cfg.data.micro_num).bubble_ratio if lay.pp > 1 else 0.0)
     terms.update(communication_terms(e, gpu, k, compute, terms["attention"]))
     terms.update(low_precision_terms(e, gpu))  # model.fp8's casts, Muon's gathers and Newton-Schulz
     notes = [f"kernels: attention {k.attention}"

@@ -10,6 +10,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from ..config.pipeline import resolve_schedule
 from ..config.schema import Config, ParallelConfig
 from ..distributed.parallel_dims import ParallelDims
 from ..errors import ConfigError
@@ -36,6 +37,7 @@ class ParallelOptions:
     inputs: ModelInputs        # the family's view (its args for a simulated pipeline's stage shapes)
     seed: int                  # initial values of a model materialized after sharding
     num_chunks: int = 1        # model.num_chunks: virtual pipeline stages per rank
+    pipeline_schedule: str = "auto"  # parallel.pipeline_schedule (config/pipeline.py)
     checkpoint: Any = False    # model.checkpoint: activation checkpointing ("full", "selective", bool or fraction)
     compile: bool = False      # model.compile
     linear_styles: Any = None  # model.fp8 tensorwise: torchao's float8 tensor-parallel styles (parallel/float8.py)
@@ -52,7 +54,8 @@ class ParallelOptions:
 def parallel_options(cfg: Config) -> ParallelOptions:
     """The ParallelOptions of a config."""
     m = cfg.model
-    return ParallelOptions(inputs=cfg.model_inputs(), seed=cfg.seed, num_chunks=m.num_chunks, checkpoint=m.checkpoint,
+    return ParallelOptions(inputs=cfg.model_inputs(), seed=cfg.seed, num_chunks=m.num_chunks,
+                           pipeline_schedule=cfg.parallel.pipeline_schedule, checkpoint=m.checkpoint,
                            compile=m.compile, offload_activations=m.offload_activations,
                            sequence_parallel=cfg.parallel.sequence_parallel, parallel_output=m.parallel_output, micro_num=cfg.data.micro_num,
                            micro_bsz=cfg.data.micro_bsz, seq_len=cfg.data.seq_len,
@@ -99,9 +102,10 @@ def parallelize_model(model: nn.Module, spec: ModelSpec, options: ParallelOption
         # imported here: torch.distributed.pipelining brings torch.export (~1 s per process) that only
         # pipeline-parallel runs use
         from .pipeline import split_model
-        model, chunks, stage_ids = split_model(model, plan, dims.pp_rank, dims.pp, options.num_chunks)
-        logger.info(f"pipeline rank {dims.pp_rank}/{dims.pp}: stages {stage_ids} of {dims.pp * options.num_chunks}, "
-                    f"{len(plan.blocks(model))} blocks")
+        schedule = resolve_schedule(options.pipeline_schedule, options.num_chunks)
+        model, chunks, stage_ids = split_model(model, plan, dims.pp_rank, dims.pp, options.num_chunks, schedule)
+        logger.info(f"pipeline rank {dims.pp_rank}/{dims.pp} ({schedule} schedule): stages {stage_ids} of "
+                    f"{dims.pp * options.num_chunks}, {len(plan.blocks(model))} blocks")
     if dims.tp > 1:
         if plan.apply_tensor_parallel is None:
             raise ConfigError(f"parallel.tensor: model_type {spec.name} has no tensor-parallel plan")
@@ -135,7 +139,7 @@ def parallelize_model(model: nn.Module, spec: ModelSpec, options: ParallelOption
         pipeline = PipelineParallel(chunks, stage_ids, dims.pp * options.num_chunks, options.micro_num,
                                     dims.group("pp"), device, logits_mesh=logits_mesh,
                                     stage_io=_simulated_stage_io(spec, options, dims, precision),
-                                    reduce_each_micro_batch=grad_reduce == "micro_batch")
+                                    reduce_each_micro_batch=grad_reduce == "micro_batch", schedule=schedule)
     return model, pipeline
 
 

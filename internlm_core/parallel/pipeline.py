@@ -2,12 +2,14 @@
 
 The model's `parallel.pipeline * model.num_chunks` virtual stages are cut by the family's plan
 (`ParallelPlan.split_stages`). Rank r of the pipeline group runs stages r, r + pipeline, ... (torch's
-"loop" placement; more than one stage per rank is the interleaved schedule). Training steps use
-`Schedule1F1B` (one stage per rank) or `ScheduleInterleaved1F1B`, with `data.micro_num` micro-batches per step and
-the loss on the last stage, normalized as in the non-pipeline path (loss_norm.py: the trainer's criterion applies
-the whole factor, the schedule divides nothing). Each micro-batch's index travels in its target, which the schedule
-splits with the inputs: the criterion knows its micro-batch (its loss share) without counting calls. Evaluation
-runs a plain forward-only loop with point-to-point sends (no autograd, any number of micro-batches).
+"loop" placement), or r and 2 * pipeline - 1 - r under the V schedules (config/pipeline.py). Training steps use
+`parallel.pipeline_schedule`'s torch schedule (`SCHEDULE_CLASSES`: 1F1B, interleaved 1F1B, and the zero-bubble
+ones, whose backward is split into an input-gradient and a weight-gradient pass), with `data.micro_num`
+micro-batches per step and the loss on the last stage, normalized as in the non-pipeline path (loss_norm.py: the
+trainer's criterion applies the whole factor, the schedule divides nothing). Each micro-batch's index travels in
+its target, which the schedule splits with the inputs: the criterion knows its micro-batch (its loss share) without
+counting calls. Evaluation runs a plain forward-only loop with point-to-point sends (no autograd, any number of
+micro-batches).
 """
 
 from __future__ import annotations
@@ -19,22 +21,34 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule
-from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleInterleaved1F1B
+from torch.distributed.pipelining import (PipelineStage, Schedule1F1B, ScheduleDualPipeV, ScheduleInterleaved1F1B,
+                                          ScheduleInterleavedZeroBubble, ScheduleZBVZeroBubble)
 from torch.distributed.pipelining._backward import stage_backward
 from torch.distributed.tensor import DTensor, Shard
 
+from ..config.pipeline import SPLIT_BACKWARD, V_SHAPED, stage_ids as schedule_stage_ids
 from ..errors import ConfigError
 from ..model import ParallelPlan, document_ids_from_cu_seqlens
+from ..model.probe import probe_forward
 from ..utils import collectives, torch_compat
+from ..utils.logging import get_logger
+
+logger = get_logger(__name__)
 
 
-def split_model(model: nn.Module, plan: ParallelPlan, pp_rank: int, pp_size: int, num_chunks: int
-                ) -> tuple[nn.Module, list[nn.Module], list[int]]:
+SCHEDULE_CLASSES = {"1f1b": Schedule1F1B, "interleaved": ScheduleInterleaved1F1B,
+                    "interleaved_zb": ScheduleInterleavedZeroBubble, "zbv": ScheduleZBVZeroBubble,
+                    "dualpipev": ScheduleDualPipeV}
+
+
+def split_model(model: nn.Module, plan: ParallelPlan, pp_rank: int, pp_size: int, num_chunks: int,
+                schedule: str = "auto") -> tuple[nn.Module, list[nn.Module], list[int]]:
     """Prune `model` to what pipeline rank `pp_rank` runs (the family's `plan.split_stages`);
-    returns (model, chunks, stage_ids): rank r runs virtual stages r, r + pp_size, ... (torch's loop placement)."""
+    returns (model, chunks, stage_ids): rank r runs virtual stages r, r + pp_size, ... (torch's loop placement),
+    or r and 2 * pp_size - 1 - r under a V schedule (`schedule`, config/pipeline.py)."""
     if plan.split_stages is None:
         raise ConfigError("parallel.pipeline: this model family has no pipeline split")
-    stage_ids = [pp_rank + c * pp_size for c in range(num_chunks)]
+    stage_ids = schedule_stage_ids(schedule, pp_rank, pp_size, num_chunks)
     model, chunks = plan.split_stages(model, stage_ids, pp_size * num_chunks)
     return model, chunks, stage_ids
 
@@ -97,13 +111,20 @@ class _Stage(PipelineStage):
     reduce_each = False
     inferring = False  # True while torch's metadata inference runs: a loss call then is no micro-batch of the step
 
+    def _prepare_forward_infra(self, *args, **kwargs):
+        # torch >= 2.13 runs each stage once on made-up inputs here (first step) to learn the shapes the stages
+        # exchange: no layer statistics from it (model/probe.py; the MoE loads and losses were NaN / wrong)
+        with probe_forward():
+            return super()._prepare_forward_infra(*args, **kwargs)
+
     def _prepare_backward_infra(self, *args, **kwargs):
         # torch >= 2.13 learns the shapes the stages exchange from a real forward and backward of the first
         # micro-batch in here (on the first step), calling the loss on the last stage; torch 2.11 calls none here.
         # Observed, not predicted: the flag is up exactly while it runs.
         self.inferring = True
         try:
-            return super()._prepare_backward_infra(*args, **kwargs)
+            with probe_forward():
+                return super()._prepare_backward_infra(*args, **kwargs)
         finally:
             self.inferring = False
 
@@ -140,12 +161,15 @@ class PipelineParallel:
     def __init__(self, chunks: list[nn.Module], stage_ids: list[int], num_stages: int, micro_num: int,
                  group: dist.ProcessGroup, device: torch.device, logits_mesh: Optional[DeviceMesh] = None,
                  stage_io: Optional[Callable[[int], tuple[torch.Tensor, torch.Tensor]]] = None,
-                 reduce_each_micro_batch: bool = False):
+                 reduce_each_micro_batch: bool = False, schedule: Optional[str] = None):
         """logits_mesh: the tensor-parallel mesh when the last stage outputs its local vocabulary shard of
         the logits (parallel_output); they are handed on as a DTensor sharded along the vocabulary.
         stage_io(stage) -> (input, output) of one micro-batch as meta tensors: the shapes the stages exchange,
         given instead of learned from the neighbours (a simulated job's fake peers send nothing).
-        reduce_each_micro_batch: FSDP reduce-scatters every micro-batch's gradients (see `_Stage`)."""
+        reduce_each_micro_batch: FSDP reduce-scatters every micro-batch's gradients (see `_Stage`); not under the
+        split-backward schedules (said in the log), whose weight passes need the unsharded gradients to the end.
+        schedule: `SCHEDULE_CLASSES`' key, resolved by config/pipeline.py (None: 1f1b with one stage per rank,
+        else interleaved); the stages must be in its order (`split_model` with the same schedule)."""
         self.chunks, self.stage_ids, self.num_stages = chunks, stage_ids, num_stages
         self.logits_mesh = logits_mesh
         self.group, self.device = group, device
@@ -156,22 +180,35 @@ class PipelineParallel:
         stage_cls = _StaticStage if stage_io is not None and torch_compat.pipeline_warmup_vote() else _Stage
         self.stages = [stage_cls(c, s, num_stages, device, group=group, **_static(stage_io, s))
                        for c, s in zip(chunks, stage_ids)]
+        self.schedule_name = schedule or ("1f1b" if len(self.stages) == 1 else "interleaved")
+        if reduce_each_micro_batch and self.schedule_name in SPLIT_BACKWARD:
+            logger.warning(f"parallel.pipeline_schedule={self.schedule_name!r}: FSDP reduce-scatters the stages' "
+                           f"gradients once per step, not after every micro-batch (the weight passes run after "
+                           f"later micro-batches' input passes): they stay unsharded in fp32 until then")
+            reduce_each_micro_batch = False
         for stage in self.stages:
             stage.reduce_each = reduce_each_micro_batch
-        if len(self.stages) == 1:
-            self.schedule = Schedule1F1B(self.stages[0], micro_num, loss_fn=self._loss, scale_grads=False)
-        else:
-            rounds = max(1, micro_num // self.pp_size)
-            if micro_num % rounds:
-                raise ConfigError(f"data.micro_num ({micro_num}): the interleaved pipeline schedule (model.num_chunks "
-                                  f"{len(chunks)}, parallel.pipeline {self.pp_size}) needs micro_num divisible by "
-                                  f"max(1, micro_num // pipeline) = {rounds}")
-            self.schedule = ScheduleInterleaved1F1B(self.stages, micro_num, loss_fn=self._loss, scale_grads=False)
+        self.schedule = self._build_schedule(micro_num)
         if not hasattr(PipelineStage, "_prepare_backward_infra"):
             raise RuntimeError(f"torch {torch.__version__}: PipelineStage has no _prepare_backward_infra to watch "
                                f"metadata inference through; update internlm_core/parallel/pipeline.py for this version")
         self._criterion: Optional[Criterion] = None
         self._calls = 0  # loss calls of micro-batches this step (checked against micro_num, not used to find one)
+
+    def _build_schedule(self, micro_num: int):
+        """torch's schedule `schedule_name` over this rank's stages (losses through `_loss`, nothing divided)."""
+        name, n = self.schedule_name, len(self.stages)
+        if name == "1f1b":
+            if n != 1:
+                raise ConfigError(f"parallel.pipeline_schedule='1f1b' runs one stage per rank, got {n}")
+            return Schedule1F1B(self.stages[0], micro_num, loss_fn=self._loss, scale_grads=False)
+        if name in ("interleaved", "interleaved_zb"):
+            rounds = max(1, micro_num // self.pp_size)
+            if micro_num % rounds:
+                raise ConfigError(f"data.micro_num ({micro_num}): the {name} pipeline schedule (model.num_chunks "
+                                  f"{n}, parallel.pipeline {self.pp_size}) needs micro_num divisible by "
+                                  f"max(1, micro_num // pipeline) = {rounds}")
+        return SCHEDULE_CLASSES[name](self.stages, micro_num, loss_fn=self._loss, scale_grads=False)
 
     @property
     def is_first(self) -> bool:
@@ -213,14 +250,21 @@ class PipelineParallel:
 
     _DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64]
 
+    def _rank_of(self, stage: int) -> int:
+        """The global rank running virtual stage `stage` (loop placement, or V: r and 2 * pp - 1 - r)."""
+        local = stage % self.pp_size
+        if self.schedule_name in V_SHAPED and stage >= self.pp_size:
+            local = 2 * self.pp_size - 1 - stage
+        return dist.get_global_rank(self.group, local)
+
     def _send(self, h: torch.Tensor, stage: int) -> None:
-        dst = dist.get_global_rank(self.group, stage % self.pp_size)
+        dst = self._rank_of(stage)
         header = torch.tensor([self._DTYPES.index(h.dtype), *h.shape], dtype=torch.int64, device=self.device)
         collectives.send(header, dst)
         collectives.send(h.contiguous(), dst)
 
     def _recv(self, stage: int, ndim: int = 3) -> torch.Tensor:
-        src = dist.get_global_rank(self.group, stage % self.pp_size)
+        src = self._rank_of(stage)
         header = torch.empty(1 + ndim, dtype=torch.int64, device=self.device)
         collectives.recv(header, src)
         h = torch.empty(header[1:].tolist(), dtype=self._DTYPES[int(header[0])], device=self.device)
@@ -231,15 +275,17 @@ class PipelineParallel:
     def forward_only(self, micro_batches: list[dict]) -> Iterator[tuple[torch.Tensor, dict]]:
         """Run each micro-batch ({input_ids, position_ids, document_ids, ...}) through all stages; yields
         (logits, micro_batch) on the rank of the last stage. Every rank of the pipeline group must iterate
-        to the end (the sends and receives follow one global order: micro-batch, then stage)."""
+        to the end (the sends and receives follow one global order: micro-batch, then stage). Consecutive stages
+        on one rank (the V schedules' turn) hand the hidden states on without a send."""
         mine = dict(zip(self.stage_ids, self.chunks))
         for mb in micro_batches:
+            out = None
             for s in range(self.num_stages):
                 if s not in mine:
                     continue
-                x = mb["input_ids"] if s == 0 else self._recv(s - 1)
+                x = mb["input_ids"] if s == 0 else out if s - 1 in mine else self._recv(s - 1)
                 out = mine[s](x, position_ids=mb["position_ids"], document_ids=mb["document_ids"])
-                if s < self.num_stages - 1:
-                    self._send(out, s + 1)
-                else:
+                if s == self.num_stages - 1:
                     yield self._logits(out), mb
+                elif s + 1 not in mine:
+                    self._send(out, s + 1)

@@ -256,15 +256,28 @@ def test_internlm_types_by_whole_path_and_validation_names(tmp_path):
     assert tokens == 3 * 1  # three 2-token documents, one prediction each, despite min_length=50
 
 
-def test_zero_bubble_is_refused_not_turned_into_1f1b():
-    """InternEvo's pipeline.zero_bubble=True was silently trained as plain 1F1B (issue 38 item 1): refused in one
-    line naming why (also with model.compile, whose compiled blocks make torch's split backward wrong); False loads."""
-    why = ("config: parallel.pipeline.zero_bubble=True: zero-bubble pipeline schedules are not implemented: the schedule "
-           "would be plain 1F1B (torch's ScheduleZBVZeroBubble is not wired in; with compiled blocks its split "
-           "backward gives wrong weight gradients, issue 38); set it False")
-    for model in ({}, {"compile": True}):
-        with pytest.raises(ConfigError) as err:
-            build_config({"model": model, "parallel": {"pipeline": {"size": 1, "zero_bubble": True}}})
-        assert str(err.value) == why
-    cfg = build_config({"parallel": {"pipeline": {"size": 1, "zero_bubble": False}}})
-    assert "parallel.pipeline.zero_bubble" in compat_lines(cfg)[0]
+def test_zero_bubble_maps_to_a_zero_bubble_schedule_or_is_refused():
+    """InternEvo's pipeline.zero_bubble=True (once silently plain 1F1B, issue 38 item 1): its ZB-H1 (one chunk) runs
+    torch's interleaved_zb, its ZB-V (two chunks) zbv, each said in the compat log line; with model.compile, or
+    against another explicit schedule, refused in one line naming why; pipeline size 1 has nothing to schedule."""
+    base = {"num_layers": 4}
+    for chunks, name in ((1, "interleaved_zb"), (2, "zbv")):
+        cfg = build_config({"model": {**base, "num_chunks": chunks}, "data": {"micro_num": 4},
+                            "parallel": {"pipeline": {"size": 2, "zero_bubble": True}}})
+        assert cfg.parallel.pipeline_schedule == name
+        assert f"parallel.pipeline.zero_bubble=True -> parallel.pipeline_schedule={name!r}" in compat_lines(cfg)[-1]
+    with pytest.raises(ConfigError) as err:
+        build_config({"model": {**base, "compile": True}, "data": {"micro_num": 4},
+                      "parallel": {"pipeline": {"size": 2, "zero_bubble": True}}})
+    assert str(err.value).startswith("config: parallel.pipeline_schedule='interleaved_zb' with model.compile=True: "
+                                     "the compiled blocks' backward is one graph")
+    with pytest.raises(ConfigError, match=r"zero_bubble=True maps to parallel.pipeline_schedule='interleaved_zb', but "
+                                          r"parallel.pipeline_schedule='1f1b' is set"):
+        build_config({"model": base, "data": {"micro_num": 4},
+                      "parallel": {"pipeline": {"size": 2, "zero_bubble": True}, "pipeline_schedule": "1f1b"}})
+    with pytest.raises(ConfigError, match=r"run model.num_chunks 1 \(ZB-H1\) or 2 \(ZB-V\), got 4"):
+        build_config({"model": {**base, "num_chunks": 4}, "data": {"micro_num": 4},
+                      "parallel": {"pipeline": {"size": 1 + 1, "zero_bubble": True}}})
+    cfg = build_config({"parallel": {"pipeline": {"size": 1, "zero_bubble": True}}})
+    assert cfg.parallel.pipeline_schedule == "auto"
+    assert "zero_bubble=True with pipeline size 1: no pipeline to schedule" in " ".join(compat_lines(cfg))

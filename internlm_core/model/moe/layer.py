@@ -45,6 +45,7 @@ from .experts import GroupedExperts, SharedExperts
 from .router import Router, Routing, route
 from .sequence import sequence_sum
 from .stats import MoEStats, StatsAccumulator, stats_of
+from ..probe import probing
 
 
 def _in_backward() -> bool:
@@ -163,7 +164,7 @@ class MoEFeedForward(nn.Module):
     def _record(self, routing: Routing) -> None:
         """last_stats, the step's stats and (training) the loads for the expert bias; not again in a recompute.
         Eager under torch.compile: Python counters would otherwise be guarded on and recompile every step."""
-        if _in_backward():
+        if _in_backward() or probing():  # a recompute, or torch's pipeline metadata inference (model/probe.py)
             return
         self.last_stats = stats_of(routing)
         self._step_stats.add(self.last_stats, self.args.top_k)
