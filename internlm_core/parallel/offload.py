@@ -9,8 +9,9 @@ the policy keeps are held by the checkpoint's cache, not saved tensors, and stay
 Kept on the device (counted in `OffloadStats.kept_*`): tensors smaller than MIN_BYTES (16 KiB: below it a copy's
 launch costs more than the memory it frees: masks, cu_seqlens, norms' statistics of short rows), parameters and views
 of them (nn.Parameter or a view whose `_base` is one: the weights a matmul saves are there anyway), and tensor
-subclasses (DTensor: tensor parallel's matmuls save DTensor inputs, so the offload would move only part of a block
-under it and is refused there, `check_offload`). A tensor one block's forward
+subclasses other than DTensor (a low-precision weight wrapper's). A DTensor (tensor parallel's matmuls save them)
+moves its local tensor and is rebuilt around the copy in backward (same mesh, placements, shape and strides), so
+tensor parallel composes with the offload. A tensor one block's forward
 saves several times (the normed input of separate q, k, v projections), or saves as several views of one run
 of memory (the attention probabilities and their batched matmul's reshape), is copied once; one saved by several blocks
 (the rotary tables) is copied by each.
@@ -43,6 +44,7 @@ from typing import Any, Callable, Iterator, Optional
 
 import torch
 import torch.nn as nn
+from torch.distributed.tensor import DTensor
 
 from ..errors import ConfigError
 
@@ -172,6 +174,15 @@ class _View:
         self.base, self.size, self.stride = base, size, stride
 
 
+class _Distributed:
+    """An offloaded DTensor: its local tensor's packed form and what rebuilds the DTensor around its copy back."""
+
+    __slots__ = ("local", "mesh", "placements", "shape", "stride")
+
+    def __init__(self, local: Any, mesh: Any, placements: tuple, shape: torch.Size, stride: tuple):
+        self.local, self.mesh, self.placements, self.shape, self.stride = local, mesh, placements, shape, stride
+
+
 @dataclass(eq=False)
 class _Group:
     """One forward of one block. Only the autograd graph holds _Saved (and through them their group) strongly: the
@@ -222,10 +233,11 @@ class Offloader:
                 self._copies_out.append(group.last_d2h)
 
     def _keep(self, t: torch.Tensor) -> bool:
-        nbytes = t.numel() * t.element_size()
+        local = t._local_tensor if type(t) is DTensor else t
+        nbytes = local.numel() * local.element_size()
         if is_parameter(t):
             self.stats.kept_param_bytes += nbytes
-        elif type(t) is not torch.Tensor:
+        elif type(local) is not torch.Tensor:
             self.stats.kept_subclass_bytes += nbytes
         elif nbytes < self.min_bytes:
             self.stats.kept_small_bytes += nbytes
@@ -234,10 +246,16 @@ class Offloader:
         return True
 
     def pack(self, t: torch.Tensor) -> Any:
-        """Forward: start t's copy to the host after what wrote it; a kept tensor is returned as is."""
+        """Forward: start t's copy to the host after what wrote it; a kept tensor is returned as is. A DTensor
+        (tensor parallel's matmuls save them) moves its local tensor and is rebuilt around it in backward."""
         self.stats.packs += 1
         if self._keep(t) or self._current is None:
             return t
+        if type(t) is DTensor:
+            return _Distributed(self._pack(t._local_tensor), t.device_mesh, t.placements, t.shape, t.stride())
+        return self._pack(t)
+
+    def _pack(self, t: torch.Tensor) -> Any:
         again = self._again(t)
         if again is not None:
             return again
@@ -269,6 +287,12 @@ class Offloader:
     def unpack(self, packed: Any) -> torch.Tensor:
         """Backward: the device copy of a packed tensor, ready on the stream that asks for it."""
         self.stats.unpacks += 1
+        if isinstance(packed, _Distributed):
+            local = packed.local
+            local = self._unpack(local.base).as_strided(local.size, local.stride, 0) if isinstance(local, _View) \
+                else self._unpack(local)
+            return DTensor.from_local(local, packed.mesh, packed.placements, run_check=False, shape=packed.shape,
+                                      stride=packed.stride)
         if isinstance(packed, _View):
             return self._unpack(packed.base).as_strided(packed.size, packed.stride, 0)
         if not isinstance(packed, _Saved):
@@ -325,10 +349,6 @@ def offload_blocks(blocks: list[nn.Module], device: torch.device, min_bytes: int
 
 
 def check_offload(offload: bool, tensor: int, pipeline: int, compile: bool) -> None:
-    """ConfigError, in one line, for the layouts the offload does not serve (pipeline parallel and compile do
-    compose with it: the arguments are here so that the decision is in one place)."""
-    if not offload:
-        return
-    if tensor > 1:
-        raise ConfigError("model.offload_activations: not with parallel.tensor > 1 (its matmuls save DTensor inputs, "
-                          "which the offload does not move: only the elementwise ops' tensors would go)")
+    """The layouts the offload does not serve, refused in one line: none now (tensor parallel's DTensors move their
+    local tensors, pipeline parallel and compile compose with it); the arguments keep the decision in one place."""
+    return None

@@ -8,7 +8,6 @@ from __future__ import annotations
 import pytest
 import torch
 
-from internlm_core.errors import ConfigError
 from internlm_core.model import build_model
 from internlm_core.parallel import checkpoint_and_compile
 from internlm_core.parallel.offload import MIN_BYTES, HostOps, Offloader, check_offload, is_parameter, offload_blocks
@@ -170,10 +169,9 @@ def test_a_new_forward_pass_does_not_prefetch_into_the_previous_one():
     assert off.stats.fetched_groups == 2 and off.stats.prefetched_groups == 1
 
 
-def test_refusals_name_the_key():
+def test_every_layout_composes():
     check_offload(False, tensor=2, pipeline=2, compile=True)
-    with pytest.raises(ConfigError, match=r"^model.offload_activations: not with parallel.tensor > 1"):
-        check_offload(True, tensor=2, pipeline=1, compile=False)
+    check_offload(True, tensor=2, pipeline=2, compile=True)  # tensor parallel's DTensors move their local tensors
 
 
 def test_estimator_counts_two_blocks_on_the_device():
@@ -269,3 +267,37 @@ def test_device_peak_drops_by_more_than_a_block():
         peaks.append(live.peak)
     per_block = stats.offloaded_bytes / 4  # distinct bytes copied out per block
     assert peaks[0] - peaks[1] > per_block, (peaks, per_block)
+
+
+@pytest.mark.parametrize("sequence_parallel", [False, True])
+def test_tensor_parallel_dtensors_move_their_local_tensors(sequence_parallel):
+    """A tensor-parallel model (the family's plan over a one-rank mesh: every matmul saves DTensors): gradients
+    bitwise equal with and without the offload, and what stays on the device is parameters and small tensors only
+    (the DTensors' local tensors moved, rebuilt around their copies in backward)."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor
+
+    from internlm_core.model.internlm.parallelize import apply_tensor_parallel
+    from internlm_core.model.spec import TensorParallelOptions
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        mesh = init_device_mesh("cpu", (1,))
+        torch.manual_seed(0)
+        state = build_model(_cfg()).state_dict()
+        grads = []
+        for offload in (False, True):
+            model = build_model(_cfg())
+            model.load_state_dict(state)
+            apply_tensor_parallel(model, mesh, TensorParallelOptions(sequence_parallel=sequence_parallel))
+            offloader = offload_blocks(list(model.layers.values()), torch.device("cpu")) if offload else None
+            logits = model(_ids())
+            (logits.full_tensor() if isinstance(logits, DTensor) else logits).float().pow(2).mean().backward()
+            grads.append([p.grad.full_tensor() for p in model.parameters()])
+        assert all(torch.equal(a, b) for a, b in zip(*grads))
+        s = offloader.stats
+        assert s.offloaded > 0 and s.kept_subclass_bytes == 0 and s.unpacks == s.packs
+        assert s.offloaded_bytes > 10 * s.kept_small_bytes
+    finally:
+        dist.destroy_process_group()
