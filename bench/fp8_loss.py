@@ -36,13 +36,14 @@ def demo_data(out: Path) -> tuple[Path, Path]:
     return train, valid
 
 
-def run(out: Path, name: str, recipe: str, steps: int, train: Path, valid: Path, reuse: bool) -> dict:
+def run(out: Path, name: str, recipe: str, steps: int, train: Path, valid: Path, reuse: bool,
+        extra: tuple[str, ...] = ("model.dtype=torch.bfloat16",)) -> dict:
     """One run (reused from `out` when it finished before and `reuse`); its last-20 mean training loss and its final
-    validation loss (the mean of the code and docs sets')."""
+    validation loss (the mean of the code and docs sets'). `extra`: more overrides (bf16 compute by default)."""
     run_dir = out / "runs" / name
     sets = [f"data.train_folder={train}", f"data.valid_folder={valid}", "model.vocab_size=512", "tokenizer=byte",
             f"data.total_steps={steps}", f"data.valid_every={steps}", "monitor.log_every=20", "adam.lr=1e-3",
-            "model.dtype=torch.bfloat16", "monitor.tensorboard=False", f"model.fp8={recipe}"]
+            "monitor.tensorboard=False", f"model.fp8={recipe}", *extra]
     metrics = run_dir / "metrics.jsonl"
     done = metrics.exists() and sum('"kind": "train"' in x for x in metrics.read_text().splitlines()) == steps
     if done and reuse:
