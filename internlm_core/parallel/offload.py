@@ -46,8 +46,6 @@ import torch
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
-from ..errors import ConfigError
-
 __all__ = ["MIN_BYTES", "CudaOps", "HostOps", "Offloader", "OffloadStats", "check_offload", "offload_blocks"]
 
 MIN_BYTES = 16 * 1024  # saved tensors smaller than this stay on the device
