@@ -26,6 +26,7 @@ from ..errors import CheckpointError
 from ..model.foreign_keys import args_value, differences
 from ..model.spec import StateDictAdapter, get_model_spec, model_types
 from ..numerics.precision import resolve_precision
+from . import fp8_blocks
 from .catalog import checkpoint_config, local_checkpoint
 from .foreign import context, find_adapter, groups, load_full_state
 from .safe_dcp import SafeFileSystemReader, SafeLoadPlanner, read_dcp_metadata
@@ -99,9 +100,11 @@ def load_hf(model: torch.nn.Module, hf_dir: str | os.PathLike, model_type: Optio
     The folder's class picks the adapter (of `model_type`'s family when given). The model must be the folder's:
     every key of config.json the model depends on equal (`check_hf_model`; `keep`: dotted config keys whose run
     value is kept on purpose), and every tensor of the folder read (a tensor nothing reads is refused, naming it).
+    A block-scaled FP8 folder (config.json quantization_config) is read dequantized (fp8_blocks.py).
     """
     adapter, c = hf_adapter(hf_dir, model_type)
     where = str(Path(hf_dir) / "config.json")
+    fp8 = fp8_blocks.block_size(c, where)
     keys = adapter.config_from_foreign(c, where)  # type: ignore[misc, call-arg]
     args = getattr(model, "args", None)
     if args is not None:
@@ -123,7 +126,8 @@ def load_hf(model: torch.nn.Module, hf_dir: str | os.PathLike, model_type: Optio
 
     def unread(metas: dict[str, torch.Tensor]) -> str:
         wanted = set(names_of(metas))
-        left = [f for f in available() if f not in wanted and not f.endswith(HARMLESS)]
+        left = [f for f in available() if f not in wanted and not f.endswith(HARMLESS)
+                and not (fp8 and fp8_blocks.is_scale_of(f, wanted))]
         if not left:
             return ""
         return (f"{hf_dir}: {len(left)} tensor(s) of the folder that nothing in the {model_type or 'built'} model "
@@ -136,8 +140,9 @@ def load_hf(model: torch.nn.Module, hf_dir: str | os.PathLike, model_type: Optio
         if missing and strict:
             raise CheckpointError(f"{hf_dir}: missing {len(missing)} tensor(s) the model needs, e.g. "
                                   f"{', '.join(missing[:3])}")
-        tensors = read_hf_tensors(hf_dir, [f for f in wanted if f in available()])
-        ours = adapter.from_foreign(tensors, ctx)
+        present = [f for f in wanted if f in available()]
+        tensors = read_hf_tensors(hf_dir, present + (fp8_blocks.scale_names(present, available()) if fp8 else []))
+        ours = adapter.from_foreign(fp8_blocks.dequantize_all(tensors, fp8, str(hf_dir)), ctx)
         return {k: v for k, v in ours.items() if k in metas}
 
     return load_full_state(model, read, str(hf_dir), strict=strict, check=unread if strict else None)

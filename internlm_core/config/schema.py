@@ -95,6 +95,12 @@ class ModelConfig:
     first_k_dense_replace: int = f(0, "MoE families: blocks 0 .. k-1 keep the dense FFN (width intermediate_size) instead of the experts (DeepSeek's key; model/moe/mix.py). 0: none.")
     decoder_sparse_step: int = f(1, "MoE families: only blocks i with (i + 1) % step == 0 have the experts, the others the dense FFN (Qwen-MoE's key). 1: every block.")
     mlp_only_layers: Optional[list] = f(None, "MoE families: these blocks (indices) keep the dense FFN whatever the other keys (Qwen-MoE's key). None: none.")
+    num_shared_experts: int = f(0, "DEEPSEEK_V3: shared experts, a dense SwiGLU of width num_shared_experts * moe_intermediate_size every token passes, added to the routed experts' output (DeepSeek's n_shared_experts; InternEvo's coefficient-mixed one is moe_use_residual).")
+    q_lora_rank: Optional[int] = f(None, "DEEPSEEK_V3's multi-head latent attention: rank of the low-rank query (wq_a, its RMSNorm, wq_b); None: a full-rank query projection (Moonlight, DeepSeek-V2-Lite).")
+    kv_lora_rank: Optional[int] = f(None, "DEEPSEEK_V3's multi-head latent attention: width of the compressed key/value latent every head's keys and values are expanded from (DeepSeek-V3: 512).")
+    qk_nope_head_dim: Optional[int] = f(None, "DEEPSEEK_V3: channels of each query / key head without rotary embedding (DeepSeek-V3: 128).")
+    qk_rope_head_dim: Optional[int] = f(None, "DEEPSEEK_V3: channels of each query head with rotary embedding, and of the one rotary key all heads share (DeepSeek-V3: 64).")
+    v_head_dim: Optional[int] = f(None, "DEEPSEEK_V3: channels of each value head (DeepSeek-V3: 128; the q/k heads have qk_nope_head_dim + qk_rope_head_dim).")
     head_dim: Optional[int] = f(None, "Channels of each attention head; default hidden_size / num_attention_heads (Qwen3 sets 128 at every width).")
     qk_norm: Optional[bool] = f(None, "RMSNorm over each head's channels on q and k before the rotary embedding (Qwen3); default: True for QWEN3 / QWEN3_MoE, False otherwise.")
     sliding_window: Optional[int] = f(None, "Sliding-window attention: each token attends to at most this many tokens of its document, itself included (Mistral); None: the whole document.")
@@ -118,6 +124,9 @@ class MoEConfig:
     norm_topk_prob: bool = f(True, "Renormalize each token's top_k routing weights to sum to 1 (Mixtral, Qwen3-MoE).")
     z_loss_coeff: float = f(0.0, "Router z-loss coefficient (ST-MoE); 0: off.")
     expert_bias_update_rate: float = f(0.0, "Aux-loss-free balancing (DeepSeek-V3): per-expert bias on the selection scores, moved by this rate toward balance after each step; 0: off.")
+    num_expert_groups: int = f(1, "DEEPSEEK_V3's group-limited routing (DeepSeek's n_group): the experts form this many equal groups, each scored by the sum of its 2 best selection scores; 1: no groups.")
+    top_k_groups: int = f(1, "DEEPSEEK_V3: each token picks its top_k experts among its top_k_groups best groups only (DeepSeek's topk_group).")
+    routed_scaling_factor: float = f(1.0, "DEEPSEEK_V3: the routed experts' combine weights are multiplied by this after norm_topk_prob (DeepSeek-V3: 2.5).")
     expert_gemm: str = f("auto", "How the experts multiply: auto (torch's grouped GEMM on CUDA where it runs for the compute dtype, one GEMM per expert otherwise), loop, grouped; chosen once in numerics/.")
 
 
@@ -353,7 +362,7 @@ class Config:
     """A whole run."""
 
     JOB_NAME: str = f("internlm_core", "Name of the job; names the run folder and alerts.")
-    model_type: str = f("INTERNLM", "Model family: INTERNLM (v1: bias on qkv/out), INTERNLM2 or LLAMA (GQA, no bias), LLAMA3, QWEN2, QWEN3, MISTRAL; mixture of experts: INTERNLM_MoE, MIXTRAL, QWEN3_MoE (README: model families and sizes).")
+    model_type: str = f("INTERNLM", "Model family: INTERNLM (v1: bias on qkv/out), INTERNLM2 or LLAMA (GQA, no bias), LLAMA3, QWEN2, QWEN3, MISTRAL; mixture of experts: INTERNLM_MoE, MIXTRAL, QWEN3_MoE, DEEPSEEK_V3 (latent attention; Kimi-K2, Moonlight) (README: model families and sizes).")
     data: DataConfig = f(factory=DataConfig, help="See DataConfig.")
     model: ModelConfig = f(factory=ModelConfig, help="See ModelConfig.")
     parallel: ParallelConfig = f(factory=ParallelConfig, help="See ParallelConfig.")

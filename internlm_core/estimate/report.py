@@ -9,13 +9,19 @@ from .core import estimate
 from .figures import GiB, Estimate, Memory
 
 
+def _activated(e: Estimate) -> str:
+    """"; N B activated per token" for a family whose counts say it (ModelCounts.active_parameters), else ""."""
+    active = getattr(e.figures, "counts", None) and e.figures.counts.active_parameters
+    return f"; {active(e.model_args) / 1e9:.3f} B activated per token" if active else ""
+
+
 def format_estimate(e: Estimate, other: Optional[Estimate] = None) -> str:
     """The human-readable report; `other` (the other precision) adds a one-line comparison."""
     cfg, lay, mem = e.cfg, e.layout, e.memory
     d = cfg.data
     lines = [
         f"model {cfg.model_type}: {e.parameters:,} parameters ({e.parameters / 1e9:.3f} B; "
-        f"{e.nonembedding_parameters / 1e9:.3f} B without the input embedding)",
+        f"{e.nonembedding_parameters / 1e9:.3f} B without the input embedding{_activated(e)})",
         f"FLOPs per token: {e.model_flops_per_token / 1e9:.2f} GFLOP model (6N + 12*L*h*s, s={d.seq_len})"
         + (f", {e.hardware_flops_per_token / 1e9:.2f} GFLOP with recomputation"
            if e.hardware_flops_per_token != e.model_flops_per_token else ""),

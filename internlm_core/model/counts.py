@@ -135,6 +135,8 @@ class ModelCounts:
         counts such a block as keeping every activation (an upper bound, said in its notes).
     layer_args(args): the args each block's counts are called with, one per block in order (a stack of blocks
         of several kinds, e.g. dense blocks among MoE blocks: model/moe/mix.py); default `args` for every block.
+    active_parameters(args): the parameters one token's forward multiplies, embedding row and head included (a
+        mixture of experts: k of E experts; what its model card calls activated); None: the family says none.
     """
 
     block: Callable[[Any], Parameters]
@@ -149,6 +151,7 @@ class ModelCounts:
     block_communication: Callable[[Any, ActivationContext], list[Term]] = _none
     selective_block_activations: Optional[Callable[[Any, ActivationContext], list[Term]]] = None
     layer_args: Callable[[Any], tuple[Any, ...]] = _uniform
+    active_parameters: Optional[Callable[[Any], int]] = None
 
 
 def keys_per_query(seq_len: int) -> float:

@@ -10,9 +10,25 @@ from ..layers import ROPE_SCALINGS, rope_scaling_kind
 from ..spec import ModelInputs
 
 
+# `model` keys only the latent-attention family (DEEPSEEK_V3, model/deepseek_v3) reads, with their defaults
+LATENT_KEYS = {"q_lora_rank": None, "kv_lora_rank": None, "qk_nope_head_dim": None, "qk_rope_head_dim": None,
+               "v_head_dim": None, "num_shared_experts": 0}
+
+
+def refuse_keys(section: Any, name: str, keys: Mapping[str, Any], model_type: str, owner: str) -> None:
+    """ConfigError for a key of `keys` set to other than its default in `section` (`name`: "model", "moe"): a
+    key `model_type` does not read, which only `owner` does."""
+    for key, default in keys.items():
+        value = getattr(section, key, default)  # the typed field named by `key`
+        if value != default:
+            raise ConfigError(f"{name}.{key}={value!r}: model_type {model_type} has no such option ({owner} "
+                              f"reads it); leave it at {default!r}")
+
+
 def validate_transformer(inputs: ModelInputs, grouped_query: bool) -> None:
     """Shape rules of the transformer (heads, rotary, norms) and of its tensor/pipeline parallel plan."""
     m, p = inputs.model, inputs.parallel
+    refuse_keys(m, "model", LATENT_KEYS, inputs.model_type, "DEEPSEEK_V3's latent attention and shared experts")
     head_dim = m.head_dim
     if head_dim is None and m.hidden_size % m.num_attention_heads:
         raise ConfigError(f"model.num_attention_heads ({m.num_attention_heads}) must divide model.hidden_size "

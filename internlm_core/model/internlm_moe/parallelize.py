@@ -88,7 +88,8 @@ def moe_layer_plan(block: nn.Module, sequence_parallel: bool) -> dict[str, Paral
         plan["feed_forward.shared_experts.w1"] = ColwiseParallel()
         plan["feed_forward.shared_experts.w3"] = ColwiseParallel()
         plan["feed_forward.shared_experts.w2"] = RowwiseParallel()
-        plan["feed_forward.coefficient"] = ReplicateParallel()
+        if ffn.coefficient is not None:  # InternEvo's mix (DeepSeek's shared experts are added: none)
+            plan["feed_forward.coefficient"] = ReplicateParallel()
     return plan
 
 

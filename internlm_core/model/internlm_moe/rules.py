@@ -4,12 +4,14 @@ from __future__ import annotations
 
 from ...errors import ConfigError
 from ..args import args_from_model_config, ffn_width
-from ..internlm.rules import validate_transformer
+from ..internlm.rules import refuse_keys, validate_transformer
 from ..moe import MoEArgs, layer_mix_of
 from ..spec import ModelInputs
 from .model import MoEModelArgs
 
 DROPLESS = ("Dropless", "MegaBlock-Dropless")
+# `moe` keys only DEEPSEEK_V3 reads (its group-limited routing), with their defaults
+GROUP_ROUTING = {"num_expert_groups": 1, "top_k_groups": 1, "routed_scaling_factor": 1.0}
 CAPACITY = ("GShard", "MegaBlock")
 
 
@@ -37,6 +39,13 @@ def validate_moe(inputs: ModelInputs, grouped_query: bool) -> None:
     """The transformer's rules, and the experts': a count, a routing, a top_k they can serve, and the layouts the
     MoE layer runs under."""
     validate_transformer(inputs, grouped_query)
+    refuse_keys(inputs.moe, "moe", GROUP_ROUTING, inputs.model_type, "DEEPSEEK_V3's group-limited routing")
+    validate_moe_routing(inputs)
+
+
+def validate_moe_routing(inputs: ModelInputs) -> None:
+    """The experts' rules, whatever the attention: a count, a routing, a top_k they can serve, the dense blocks,
+    and the layouts the MoE layer runs under."""
     m, r, p = inputs.model, inputs.moe, inputs.parallel
     if m.num_experts < 2:
         raise ConfigError(f"model.num_experts: model_type {inputs.model_type} needs 2 or more experts, got "

@@ -16,6 +16,7 @@ import torch.nn as nn
 
 from ...utils import collectives
 from .layer import MoEFeedForward
+from .router import local_tensor
 
 
 def moe_layers(model: nn.Module) -> list[MoEFeedForward]:
@@ -42,6 +43,6 @@ def update_expert_bias(model: nn.Module, group: Optional[dist.ProcessGroup] = No
     if group is not None and dist.is_initialized() and dist.get_world_size(group) > 1:
         collectives.all_reduce(stacked, group=group)
     for m, load in zip(layers, stacked):
-        bias = m.gate.expert_bias
+        bias = local_tensor(m.gate.expert_bias)  # replicated (a DTensor) under tensor parallel: every copy moves
         step = m.args.expert_bias_update_rate * torch.sign(load.mean() - load)
         bias.add_(step.to(device=bias.device, dtype=bias.dtype))

@@ -123,7 +123,8 @@ def select_experts(scores: torch.Tensor, logits: torch.Tensor, bias: Optional[to
     groups[1] of groups[0] expert groups when groups[1] < groups[0]; with `rsample` the Gumbel-max draws
     described in the module docstring."""
     with torch.no_grad():
-        key = scores if bias is None else scores + bias.to(scores.dtype)
+        # a DTensor under tensor parallel (the gate's buffers replicated with its weight): its local copy
+        key = scores if bias is None else scores + local_tensor(bias).to(scores.dtype)
         if groups[1] < groups[0]:
             key = limit_to_groups(key, *groups)
         if not rsample:
