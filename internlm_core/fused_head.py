@@ -27,8 +27,6 @@ from .utils import collectives
 
 # bytes of the fp32 logits of one chunk: on a CPU they stay in the caches, on a GPU a few large matmuls
 CHUNK_BYTES = {"cpu": 8 << 20, "cuda": 512 << 20}
-# model.fused_head_loss = "auto": fused when one micro-batch's logits (tokens x vocab, fp32) would take this much
-AUTO_LOGITS_BYTES = 256 << 20
 
 
 def chunk_rows(vocab: int, device: torch.device) -> int:
@@ -133,14 +131,6 @@ def fused_head_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels:
     vocab = weight.shape[0] if vocab is None else vocab
     return FusedHeadCrossEntropy.apply(hidden.reshape(-1, h), weight, labels.reshape(-1), float(label_smoothing),
                                        float(z_loss), group, vocab_start, vocab)
-
-
-def fused_head_wins(setting, vocab: int, tokens: int) -> bool:
-    """model.fused_head_loss: True / False as given; "auto": when one micro-batch's fp32 logits (tokens x vocab)
-    reach AUTO_LOGITS_BYTES."""
-    if setting == "auto":
-        return 4 * vocab * tokens >= AUTO_LOGITS_BYTES
-    return bool(setting)
 
 
 class FusedHead:
