@@ -65,7 +65,7 @@ def test_dry_run_lines_and_moe_configs(capsys):
     err = capsys.readouterr().err
     assert e.value.code == 2 and err.count("\n") == 1
     assert "model.num_experts=4: model_type 'INTERNLM' is dense; mixture-of-experts needs an MoE model_type " \
-           "(INTERNLM_MoE, MIXTRAL, QWEN3_MoE)" in err
+           "(INTERNLM_MoE, MIXTRAL, DEEPSEEK_V3, QWEN3_MoE)" in err
 
 
 def test_forms_map_or_refuse():
