@@ -153,6 +153,9 @@ def test_folder_refusals(tmp_path):
     with pytest.raises(CheckpointError, match="num_nextn_predict_layers=1: multi-token prediction not loaded"):
         config_from_hf(tmp_path)
     conf = json.loads((tmp_path / "config.json").read_text())
+    # Kimi-K2's folders name their model_type kimi_k2 (remote code) with DeepseekV3ForCausalLM's architecture
+    (tmp_path / "config.json").write_text(json.dumps({**conf, "num_nextn_predict_layers": 0, "model_type": "kimi_k2"}))
+    assert config_from_hf(tmp_path)["moe.num_expert_groups"] == 4
     for key, value, message in (("rope_interleave", False, "rope_interleave=false"),
                                 ("attention_bias", True, "attention_bias=true"),
                                 ("num_key_value_heads", 2, "num_key_value_heads=2 != num_attention_heads=4")):
