@@ -59,5 +59,8 @@ def check_optimizer(opt: Any) -> None:
                           f"got {opt.muon_ns_coefficients!r}")
     if opt.muon_ns_dtype not in NS_DTYPES:
         raise ConfigError(f"optimizer.muon_ns_dtype: expected one of {', '.join(NS_DTYPES)}, got {opt.muon_ns_dtype!r}")
+    tau = opt.muon_qk_clip
+    if tau is not None and (isinstance(tau, bool) or not isinstance(tau, (int, float)) or not tau > 0):
+        raise ConfigError(f"optimizer.muon_qk_clip: expected a logit threshold > 0 or None, got {tau!r}")
     if not opt.muon_rms_scale > 0:
         raise ConfigError(f"optimizer.muon_rms_scale: expected a value > 0, got {opt.muon_rms_scale}")

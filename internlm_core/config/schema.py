@@ -202,6 +202,7 @@ class OptimizerConfig:
     muon_ns_dtype: str = f("auto", "Muon: dtype of the Newton-Schulz iteration: bfloat16 (as torch.optim.Muon and Moonlight), float32, or auto: bfloat16 on CUDA, float32 elsewhere (a CPU without bf16 matrix units runs the bf16 iteration ~18x slower than fp32: 1.13 s against 0.063 s per step of configs/tiny.py's 14 matrices, measured).")
     muon_rms_scale: float = f(0.2, "Muon: the update is scaled by this * sqrt(max(rows, columns)) (0.2: the RMS of AdamW's update, so AdamW's lr and weight decay carry over).")
     muon_eps: float = f(1e-7, "Muon: added to the norm the Newton-Schulz input is divided by.")
+    muon_qk_clip: Optional[float] = f(None, "Muon: qk-clip threshold tau (MuonClip, Kimi-K2): after each step, every attention head whose largest pre-softmax logit in the step's forwards (maximized over the data-parallel ranks) exceeded tau has its W_q rows scaled by sqrt(tau / max), and its key head's W_k rows by the square root of the smallest such factor of the heads sharing it (biases with their rows). The logits are computed once more for the record (the attention's forward FLOPs again). None: off. Not with tensor parallel, context parallel or q/k norms.")
 
     def __post_init__(self) -> None:
         from .optimizer import check_optimizer

@@ -20,16 +20,22 @@ by every rank of its mesh alike, and each rank keeps its own part (`distribute_t
 local slice, no communication). A DTensor cut only along its first dim of a 3-D weight (expert parallel's and FSDP2's
 Shard(0) over experts) holds whole experts: each rank orthogonalizes its own, without communication. The momentum
 buffers are DTensors placed as their parameters, so checkpoints (DCP) save and reshard them as AdamW's moments.
+
+qk-clip (MuonClip, `optimizer.muon_qk_clip` = tau): after each step, `qk_clip` scales the W_q / W_k rows of every head
+whose largest pre-softmax logit in the step's forwards (model/qk_clip.py) exceeded tau, by sqrt(tau / max) each.
 """
 
 from __future__ import annotations
 
 import math
-from typing import Iterable, Sequence
+from typing import Callable, Iterable, Optional, Sequence
 
 import torch
+import torch.distributed as dist
 from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.distributed.tensor.placement_types import Shard, _StridedShard
+
+from ..utils.collectives import all_reduce
 
 NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -82,6 +88,49 @@ def update_scale(shape: Sequence[int], rms_scale: float) -> float:
     return rms_scale * math.sqrt(max(shape[-2], shape[-1]))
 
 
+def _reduce_max(t: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """`t` maximized over every rank of `like`'s mesh (a DTensor parameter: FSDP's data ranks see other rows)."""
+    if isinstance(like, DTensor):
+        for dim in range(like.device_mesh.ndim):
+            all_reduce(t, op=dist.ReduceOp.MAX, group=like.device_mesh.get_group(dim))
+    return t
+
+
+def _scale_rows(linear: torch.nn.Module, rows: torch.Tensor) -> None:
+    """Multiply each output row of `linear` (its weight, and its bias) by `rows` [out] (a DTensor's own part)."""
+    w = linear.weight
+    if isinstance(w, DTensor):
+        w.mul_(distribute_tensor(rows[:, None].to(w.dtype), w.device_mesh, w.placements, src_data_rank=None))
+    else:
+        w.mul_(rows[:, None].to(w.dtype))
+    if linear.bias is not None:
+        b = linear.bias
+        b.mul_(distribute_tensor(rows.to(b.dtype), b.device_mesh, b.placements, src_data_rank=None)
+               if isinstance(b, DTensor) else rows.to(b.dtype))
+
+
+def qk_clip(heads: Sequence, tau: float) -> int:
+    """MuonClip (Kimi-K2), after an optimizer step: each head whose largest logit of the step (model/qk_clip.py's
+    record, maximized over the data ranks) exceeded `tau` has its W_q rows scaled by sqrt(tau / max) and its kv head's
+    W_k rows by the square root of the smallest such factor of the heads sharing it (grouped-query attention: a
+    shared key must not lift another head's logit). Biases are scaled with their rows. Clears the records; returns
+    the number of heads clipped."""
+    clipped = 0
+    with torch.no_grad():
+        for h in heads:
+            if h.record.value is None:
+                continue
+            top = _reduce_max(h.record.value.float().clone(), h.wq.weight)
+            h.record.value = None
+            gamma = torch.where(top > tau, tau / top.clamp(min=tau), torch.ones_like(top))
+            clipped += int((gamma < 1).sum())
+            if bool((gamma < 1).any()):
+                shared = gamma.view(h.kv_heads, h.heads // h.kv_heads).amin(dim=1)
+                _scale_rows(h.wq, gamma.sqrt().repeat_interleave(h.head_dim))
+                _scale_rows(h.wk, shared.sqrt().repeat_interleave(h.head_dim))
+    return clipped
+
+
 class Muon(torch.optim.Optimizer):
     """Muon for the groups with `use_muon` True, AdamW for the others (module docstring: the step, the split and
     the distributed rule). Every group carries lr, weight_decay and AdamW's betas/eps (the beta2 schedule and the
@@ -90,13 +139,14 @@ class Muon(torch.optim.Optimizer):
     def __init__(self, params: Iterable[dict], lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.95),
                  eps: float = 1e-8, weight_decay: float = 0.0, momentum: float = 0.95, nesterov: bool = True,
                  ns_coefficients: Sequence[float] = NS_COEFFICIENTS, ns_steps: int = 5, ns_dtype: str = "bfloat16",
-                 rms_scale: float = 0.2, ns_eps: float = 1e-7):
+                 rms_scale: float = 0.2, ns_eps: float = 1e-7, clip: Optional[Callable[[], int]] = None):
         if ns_dtype not in _DTYPES:
             raise ValueError(f"ns_dtype: expected one of {', '.join(_DTYPES)}, got {ns_dtype!r}")
         defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay, use_muon=False,
                         momentum=momentum, nesterov=nesterov, ns_coefficients=tuple(ns_coefficients),
                         ns_steps=ns_steps, ns_dtype=ns_dtype, rms_scale=rms_scale, ns_eps=ns_eps)
         super().__init__(params, defaults)
+        self.clip, self.last_clipped = clip, 0  # optimizer.muon_qk_clip: qk_clip over the model's heads, each step
         for group in self.param_groups:
             if group["use_muon"]:
                 flat = [p for p in group["params"] if p.dim() < 2]
@@ -116,6 +166,8 @@ class Muon(torch.optim.Optimizer):
                 self._muon_group(group)
             else:
                 self._adamw_group(group)
+        if self.clip is not None:
+            self.last_clipped = self.clip()
         return loss
 
     def _muon_group(self, group: dict) -> None:

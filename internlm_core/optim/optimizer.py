@@ -4,17 +4,18 @@ AdamW for the rest (optimizer.name = "muon", optim/muon.py)."""
 
 from __future__ import annotations
 
-from typing import Iterable, Optional
+from typing import Callable, Iterable, Optional
 
 import torch
 from torch.distributed.tensor import DTensor
 
 from ..config.schema import AdamConfig, OptimizerConfig
 from ..errors import ConfigError
+from ..model.qk_clip import install_logit_records
 from ..model.roles import hidden_matrices
 from ..numerics.kernels import OPTIMIZER as IMPLEMENTATIONS
 from ..utils.logging import get_logger
-from .muon import Muon
+from .muon import Muon, qk_clip
 
 logger = get_logger(__name__)
 
@@ -56,6 +57,25 @@ def apex_fused_adamw_class() -> type:
     return _APEX_CLASS
 
 
+def build_qk_clip(model: torch.nn.Module, tau: Optional[float]) -> Optional[Callable[[], int]]:
+    """optimizer.muon_qk_clip: the attention modules record their heads' largest logits (model/qk_clip.py) and the
+    step ends with muon.qk_clip over them; None when off. ConfigError where it cannot hold (tensor parallel: the
+    heads are split over ranks; q/k norms; no attention module with W_q / W_k)."""
+    if tau is None:
+        return None
+    if any(isinstance(p, DTensor) and "tp" in (p.device_mesh.mesh_dim_names or ()) for p in model.parameters()):
+        raise ConfigError("optimizer.muon_qk_clip: not with parallel.tensor > 1 (each rank records and scales only "
+                          "its own heads)")
+    try:
+        heads = install_logit_records(model)
+    except ValueError as e:
+        raise ConfigError(str(e)) from e
+    if not heads:
+        raise ConfigError("optimizer.muon_qk_clip: this model has no attention module with W_q / W_k to clip")
+    logger.info(f"optimizer: qk-clip at {tau:g} over {len(heads)} attention modules (MuonClip)")
+    return lambda: qk_clip(heads, tau)
+
+
 def build_muon(model: torch.nn.Module, cfg: AdamConfig, opt: OptimizerConfig,
                blocks: Iterable[torch.nn.Module]) -> Muon:
     """Muon for the hidden matrices (model/roles.py's rule), AdamW for the rest: decay for the other matrices
@@ -76,7 +96,7 @@ def build_muon(model: torch.nn.Module, cfg: AdamConfig, opt: OptimizerConfig,
     optimizer = Muon(groups, lr=cfg.lr, betas=(cfg.adam_beta1, cfg.adam_beta2), eps=cfg.adam_eps,
                      momentum=opt.muon_momentum, nesterov=opt.muon_nesterov, ns_coefficients=opt.muon_ns_coefficients,
                      ns_steps=opt.muon_ns_steps, ns_dtype=ns_dtype, rms_scale=opt.muon_rms_scale,
-                     ns_eps=opt.muon_eps)
+                     ns_eps=opt.muon_eps, clip=build_qk_clip(model, opt.muon_qk_clip))
     logger.info(f"optimizer: Muon for {len(muon)} matrices of the blocks (Newton-Schulz {opt.muon_ns_steps} steps in "
                 f"{ns_dtype}, update x {opt.muon_rms_scale} sqrt(max(rows, columns))), AdamW (single-tensor) "
                 f"for {len(rest)} other tensors (embeddings, head, norms, biases, routers)")

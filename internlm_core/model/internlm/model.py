@@ -27,6 +27,8 @@ from ..mtp import MultiTokenPrediction, build_mtp, carry, embed_depths, uncarry
 
 
 class Attention(nn.Module):
+    logit_max = None  # optimizer.muon_qk_clip: a model/qk_clip.LogitMax that records each head's largest logit
+
     def __init__(self, a: ModelArgs):
         super().__init__()
         self.head_dim, self.backend = a.head_dim, a.attn_backend
@@ -47,6 +49,8 @@ class Attention(nn.Module):
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        if self.logit_max is not None and self.training:  # the step's forwards, not validation's
+            self.logit_max.observe(q, k, meta)
         out = attention(q, k, v, meta, self.backend)
         return self.wo(out.reshape(B, T, -1))
 
