@@ -30,9 +30,11 @@ import time
 import traceback
 from pathlib import Path
 
-# torch._dynamo: every model is built on the meta device, where nn.Embedding's init imports it (~1 s)
-PRELOAD = ["torch", "torch._dynamo", "internlm_core.trainer.build", "internlm_core.trainer.simulate",
-           "internlm_core.estimate"]
+# torch._dynamo: every model is built on the meta device, where nn.Embedding's init imports it (~1 s);
+# torch.utils.tensorboard: every run with monitor.tensorboard (the default) imports it, and with it boto3 and
+# protobuf through tensorboard's gfile (~1.5 s per rank otherwise)
+PRELOAD = ["torch", "torch._dynamo", "torch.utils.tensorboard", "internlm_core.trainer.build",
+           "internlm_core.trainer.simulate", "internlm_core.estimate"]
 _ctx = None
 
 
