@@ -1,7 +1,8 @@
 """Muon under FSDP2, tensor parallel 2 and expert parallel 2 on two gloo ranks (this file is also the driver each rank
 runs): 20 steps of the same gradients give the parameters of single-process Muon to 1e-6, each matrix orthogonalized
 whole; torch.optim.Muon applied to each rank's shard does not (the check this test makes would fail it); the
-optimizer state saved (DCP) under FSDP2 after 10 steps resumes under tensor parallel and continues as one process.
+optimizer state saved (DCP) under FSDP2 after 10 steps resumes under tensor parallel and continues as one process; qk-clip under FSDP2 (each rank's logits maximized over both) scales W_q / W_k as one process
+does over both ranks' rows.
 
 The toy model holds every kind the split meets: an embedding, biases and a norm (AdamW), 2-D weights cut by rows and
 by columns, a 2-D weight with an odd row count (uneven FSDP2 shards), and a 3-D expert weight [E, rows, columns]
@@ -176,6 +177,46 @@ def resume_across_layouts(mesh, ref_states: dict, folder: str) -> list:
     return diffs
 
 
+def qk_clip_fsdp(mesh) -> float:
+    """optimizer.muon_qk_clip under FSDP2: each rank records its own rows' logits, the clip maximizes them over the
+    ranks and scales its shard of W_q / W_k as one process scales the whole rows after a forward over both ranks'
+    rows. Returns the largest difference of the clipped W_q / W_k from one process's."""
+    import copy
+
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.fsdp import fully_shard
+
+    from internlm_core.model import build_model
+    from internlm_core.model.qk_clip import install_logit_records
+    from internlm_core.optim.muon import Muon, qk_clip
+    from tests.unit.test_model import small_cfg
+
+    torch.manual_seed(0)
+    one = build_model(small_cfg("LLAMA", kv=2, num_layers=1, hidden_size=64, num_attention_heads=4, multiple_of=16))
+    with torch.no_grad():
+        one.layers["0"].attention.wq.weight[:16] *= 8  # head 0's logits far above the rest
+    sharded = copy.deepcopy(one)
+    ids = torch.randint(0, 97, (4, 32), generator=torch.Generator().manual_seed(3))
+    tau = 0.05
+    for model, rows in ((one, ids), (sharded, ids[2 * dist.get_rank():2 * dist.get_rank() + 2])):
+        heads = install_logit_records(model)
+        if model is sharded:
+            fully_shard(model.layers["0"], mesh=mesh)
+            fully_shard(model, mesh=mesh)
+        opt = Muon([{"params": [p for p in model.parameters() if p.dim() >= 2], "use_muon": True}], lr=0.0,
+                   clip=lambda heads=heads: qk_clip(heads, tau))
+        model(rows).float().pow(2).mean().backward()
+        opt.step()
+        assert opt.last_clipped >= 1, opt.last_clipped
+    diff = 0.0
+    for name in ("wq", "wk"):
+        a = getattr(one.layers["0"].attention, name).weight
+        b = getattr(sharded.layers["0"].attention, name).weight.full_tensor()
+        diff = max(diff, float((a - b).abs().max()))
+    return diff
+
+
 def main() -> None:
     import sys
     import tempfile
@@ -215,6 +256,9 @@ def main() -> None:
     print(f"rank {rank} saved at fsdp2 step {SAVE_AT}, resumed at tp2: max |w - w_one_process| to step {STEPS} "
           f"{max(diffs):.3g}")
     assert max(diffs) <= TOL, diffs
+    clip_diff = qk_clip_fsdp(mesh)
+    print(f"rank {rank} qk-clip under fsdp2: max |w - w_one_process| of W_q, W_k {clip_diff:.3g}")
+    assert clip_diff <= TOL, clip_diff
     dist.barrier()
     print(f"rank {rank}: ok")
 
