@@ -37,12 +37,10 @@ def one_process(tmp_path_factory):
     # FSDP2: 1e-3 passed at fcb6e36; later commits (the global token mean, a862ba2, among them) move the step-4
     # gradient norm by 1.1e-3 (float8 rounding amplifies any change of summation order)
     (["parallel.zero1=-1", "data.micro_num=2"], (1e-4, 3e-3)),
-    (["parallel.zero1=1", "parallel.pipeline=2", "data.micro_num=4"], (1e-4, 1e-3)),
-    # tensor parallel: the weights' and activations' amaxes are DTensor reductions over both ranks (the scales of
-    # one process); the row-parallel partial sums add in another order, which float8 rounding can amplify
-    # (measured: losses within 8e-5, gradient norms within 2e-3 relative)
-    (["parallel.zero1=1", "parallel.tensor=2", "data.micro_num=4"], (3e-4, 5e-3))],
-    ids=["fsdp2", "pipeline2", "tensor2"])
+    (["parallel.zero1=1", "parallel.pipeline=2", "data.micro_num=4"], (1e-4, 1e-3))],
+    # tensor parallel 2 through train.py (float8 styles): losses within 8e-5, gradient norms within 2e-3 of one
+    # process (measured once; left out of the suite for time: fp8_gather_driver.py checks the styles' numbers)
+    ids=["fsdp2", "pipeline2"])
 def test_float8_trains_as_one_process(tmp_path, one_process, layout, rel):
     p, run = _run(tmp_path, "two", 2, layout)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
