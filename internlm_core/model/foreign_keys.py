@@ -18,6 +18,7 @@ _FOLDER_NAMES = {
     "num_experts": ("num_local_experts", "num_experts"),
     "top_k": ("num_experts_per_tok",), "moe_intermediate_size": ("moe_intermediate_size", "intermediate_size"),
     "moe.norm_topk_prob": ("norm_topk_prob",), "moe.noisy_gate_policy": ("router_jitter_noise",),
+    "mtp": ("num_nextn_predict_layers",),
 }
 # our key -> ModelArgs attribute (MoE keys: of ModelArgs.moe, MoEArgs)
 _ARGS = {"num_attention_heads": "num_heads", "num_kv_attention_heads": "num_kv_heads", "intermediate_size": "ffn_width",
@@ -67,6 +68,8 @@ def run_value(key: str, m: Any, moe: Any) -> Any:
         return bool(getattr(m, key))
     if key == "mlp_only_layers":
         return sorted(m.mlp_only_layers or [])
+    if key == "mtp":  # model.mtp: its depth is what the folder fixes (loss_weight is the run's)
+        return mtp_depth(m.mtp)
     if key == "top_k" or key.startswith("moe."):
         return getattr(moe, key.split(".")[-1], None)
     return getattr(m, key, None)
@@ -93,6 +96,8 @@ def args_value(key: str, args: Any) -> Any:
         mix = getattr(args, "layer_mix", None)
         return None if mix is None else (sorted(mix.mlp_only_layers) if key == "mlp_only_layers" else
                                          getattr(mix, key))
+    if key == "mtp":
+        return getattr(args, "mtp_depth", 0)  # a family's args without the field build no depths
     value = getattr(args, _ARGS.get(key, key), None)
     return bool(value) if key in ("qkv_bias", "qk_norm", "tie_word_embeddings") else value
 
@@ -107,11 +112,20 @@ def same(key: str, ours: Any, theirs: Any) -> bool:
         return sorted(ours or []) == sorted(theirs or [])
     if key == "window_layers":  # a list in the config, a tuple in ModelArgs
         return (None if ours is None else sorted(ours)) == (None if theirs is None else sorted(theirs))
+    if key == "mtp":
+        return mtp_depth(ours) == mtp_depth(theirs)
     if key == "moe.noisy_gate_policy":
         return (None if ours in (None, "None") else ours) == (None if theirs in (None, "None") else theirs)
     if isinstance(ours, (int, float)) and isinstance(theirs, (int, float)) and not isinstance(ours, bool):
         return float(ours) == float(theirs)
     return ours == theirs
+
+
+def mtp_depth(value: Any) -> int:
+    """The depth of a model.mtp value (None / 0 / False: 0, an int, or a dict's depth, 1 by default)."""
+    if isinstance(value, Mapping):
+        return int(value.get("depth", 1))
+    return 0 if value in (None, False) else int(value)
 
 
 def _dropless(moe_type: Any) -> bool:

@@ -57,7 +57,8 @@ def copies_to_hf(name: str, tensor: torch.Tensor, args: Any) -> dict[str, torch.
     any other name or without depths."""
     if name not in COPIES:
         return {}
-    return {f"model.layers.{hf_layer(args, k)}.{COPIES[name]}": tensor for k in range(_depth(args))}
+    copy = tensor if tensor.device.type == "meta" else tensor.clone()  # safetensors refuses tensors sharing memory
+    return {f"model.layers.{hf_layer(args, k)}.{COPIES[name]}": copy for k in range(_depth(args))}
 
 
 def is_mtp_layer(hf_name: str, args: Any) -> bool:

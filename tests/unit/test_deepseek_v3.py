@@ -150,8 +150,7 @@ def test_folder_refusals(tmp_path):
     sd = load_file(tmp_path / "model.safetensors")
     sd["model.layers.3.eh_proj.weight"] = torch.zeros(64, 128)  # an MTP layer (num_nextn_predict_layers 1)
     save_file(sd, tmp_path / "model.safetensors", metadata={"format": "pt"})
-    with pytest.raises(CheckpointError, match="num_nextn_predict_layers=1: multi-token prediction not loaded"):
-        config_from_hf(tmp_path)
+    assert config_from_hf(tmp_path)["mtp"] == 1  # an MTP layer sets model.mtp's depth (tests/unit/test_mtp_deepseek.py)
     conf = json.loads((tmp_path / "config.json").read_text())
     # Kimi-K2's folders name their model_type kimi_k2 (remote code) with DeepseekV3ForCausalLM's architecture
     (tmp_path / "config.json").write_text(json.dumps({**conf, "num_nextn_predict_layers": 0, "model_type": "kimi_k2"}))

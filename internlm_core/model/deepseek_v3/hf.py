@@ -19,8 +19,12 @@ q.k) and interleaved again on export (written with rope_interleave true). A fold
 refused (its rows are in rotate-half order already; not read here). An FP8 folder (block-scaled float8 weights) is
 dequantized by checkpoint/fp8_blocks.py before these names are mapped.
 
-Multi-token prediction layers (model.layers.{num_hidden_layers}.*, num_nextn_predict_layers) are not loaded: a
-folder holding them is refused in one line (transformers' DeepseekV3ForCausalLM ignores them too).
+Multi-token prediction (model.mtp, num_nextn_predict_layers D): depth k's layer model.layers.{num_hidden_layers + k
+- 1}.* (enorm, hnorm, eh_proj, shared_head.norm, a decoder layer's tensors, and copies of the embedding and the
+head) maps onto mtp.depths.{k-1}.* (model/mtp_hf.py). A folder holding those layers sets model.mtp's depth (a folder
+whose config names D but holds no such layer loads as the main model). transformers' DeepseekV3ForCausalLM builds no
+MTP layers (it ignores them): tests/unit/test_mtp_deepseek.py checks the depths against a reference built from
+transformers' DeepseekV3DecoderLayer.
 """
 
 from __future__ import annotations
@@ -35,7 +39,9 @@ import torch
 
 from ...errors import CheckpointError
 from ..internlm.hf import _common_config, _get, rope_from_config
+from ..foreign_keys import mtp_depth
 from ..moe import layer_mix_of
+from ..mtp_hf import copies_to_hf, is_mtp_layer, mtp_from_hf, mtp_to_hf
 from ..spec import AdapterContext, StateDictAdapter
 
 _LAYER = (  # ours (after layers.{i}.) -> HF (after model.layers.{i}.)
@@ -90,9 +96,14 @@ def deepseek_to_hf(sd: Mapping[str, torch.Tensor], ctx: AdapterContext) -> dict[
         if tie and k == "output.weight":  # HF saves the tied matrix once, as the embedding
             if "tok_embeddings.weight" not in sd:
                 out[top["tok_embeddings.weight"]] = v
+            out.update(copies_to_hf(k, v, ctx.args))
             continue
         if k in top:
             out[top[k]] = v
+            out.update(copies_to_hf(k, v, ctx.args))  # model.mtp: the depths' copies of the embedding and head
+            continue
+        if k.startswith("mtp."):  # model.mtp's depths: layers num_hidden_layers + k (model/mtp_hf.py)
+            out.update(mtp_to_hf(k, v, ctx.args, lambda n, t: deepseek_to_hf({n: t}, ctx)))
             continue
         m = _OURS_LAYER.match(k)
         if m is None:
@@ -111,6 +122,16 @@ def deepseek_to_hf(sd: Mapping[str, torch.Tensor], ctx: AdapterContext) -> dict[
 
 
 def deepseek_from_hf(hf: Mapping[str, torch.Tensor], ctx: AdapterContext) -> dict[str, torch.Tensor]:
+    """DeepseekV3ForCausalLM's names → ours (`_from_hf`); model.mtp's layers (from num_hidden_layers on) through
+    model/mtp_hf.py, their block tensors mapped as any layer's."""
+    depths = {k: v for k, v in hf.items() if is_mtp_layer(k, ctx.args)}
+    out = _from_hf({k: v for k, v in hf.items() if k not in depths}, ctx)
+    if depths:
+        out.update(mtp_from_hf(depths, ctx.args, lambda block: _from_hf(block, ctx), hf))
+    return out
+
+
+def _from_hf(hf: Mapping[str, torch.Tensor], ctx: AdapterContext) -> dict[str, torch.Tensor]:
     """DeepseekV3ForCausalLM's names (per-expert or fused experts) → ours; rope rows de-interleaved."""
     out: dict[str, torch.Tensor] = {}
     experts: dict[tuple[str, str], dict[int, torch.Tensor]] = {}
@@ -169,7 +190,7 @@ def deepseek_config(cfg: Any, torch_dtype: str = "float32",
             "scoring_func": "sigmoid", "topk_method": "noaux_tc", "q_lora_rank": m.q_lora_rank,
             "kv_lora_rank": m.kv_lora_rank, "qk_nope_head_dim": m.qk_nope_head_dim,
             "qk_rope_head_dim": m.qk_rope_head_dim, "v_head_dim": m.v_head_dim, "rope_interleave": True,
-            "attention_bias": False, "attention_dropout": 0.0, "num_nextn_predict_layers": 0,
+            "attention_bias": False, "attention_dropout": 0.0, "num_nextn_predict_layers": mtp_depth(m.mtp),
             "output_router_logits": False}
 
 
@@ -203,12 +224,15 @@ def config_from_deepseek(c: Mapping, where: str = "config.json") -> dict:
                 "moe.norm_topk_prob": bool(c.get("norm_topk_prob", True)),
                 "moe.num_expert_groups": int(c.get("n_group") or 1), "moe.top_k_groups": int(c.get("topk_group") or 1),
                 "moe.routed_scaling_factor": float(c.get("routed_scaling_factor", 2.5))})
+    # model.mtp: num_nextn_predict_layers depths when the folder holds their layers (else the main model alone)
+    depth = int(c.get("num_nextn_predict_layers") or 0)
+    out["mtp"] = depth if depth and _has_layer(Path(where).parent, out["num_layers"]) else None
     return out
 
 
 def _refuse_folder_options(c: Mapping, where: str) -> None:
     """What DeepseekV3ForCausalLM can hold and internlm-core does not build: bias, non-silu, another scoring,
-    grouped keys, rotate-half rope weights, multi-token prediction layers in the folder."""
+    grouped keys, rotate-half rope weights."""
     heads = c.get("num_attention_heads")
     checks = ((c.get("attention_bias", False), "attention_bias=true: the latent attention here has no bias"),
               (c.get("hidden_act", "silu") != "silu", f"hidden_act={c.get('hidden_act')!r}: the FFNs are SwiGLU (silu)"),
@@ -228,11 +252,6 @@ def _refuse_folder_options(c: Mapping, where: str) -> None:
     for bad, message in checks:
         if bad:
             raise CheckpointError(f"{where}: {message}")
-    depth = int(c.get("num_nextn_predict_layers") or 0)
-    if depth and _has_layer(Path(where).parent, int(_get(c, "num_hidden_layers", where))):
-        raise CheckpointError(f"{where}: num_nextn_predict_layers={depth}: multi-token prediction not loaded (the "
-                              f"folder holds model.layers.{c['num_hidden_layers']}.*); remove those tensors, or "
-                              "set num_nextn_predict_layers to 0, to load the main model")
 
 
 def _has_layer(folder: Path, layer: int) -> bool:

@@ -23,6 +23,7 @@ from ..internlm.parallelize import _norm_style, apply_tensor_parallel, block_pla
 from ..internlm_moe.parallelize import EXPERT_PARALLEL, moe_layer_plan
 from ..moe import MoEFeedForward
 from ..parallel_styles import ReplicateParallel
+from ..mtp import mtp_blocks
 from ..spec import ParallelPlan, TensorParallelOptions
 
 
@@ -77,6 +78,7 @@ def apply_latent_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, options:
     apply_tensor_parallel(model, tp_mesh, options, layer_plan=latent_block_plan)
 
 
-DEEPSEEK_PLAN = ParallelPlan(blocks=lambda model: list(model.layers.values()), split_stages=split_stages,
+DEEPSEEK_PLAN = ParallelPlan(blocks=lambda model: list(model.layers.values()) + mtp_blocks(model),
+                             split_stages=split_stages,
                              stage_io=stage_io, apply_tensor_parallel=apply_latent_tensor_parallel,
                              mesh_dims=(EXPERT_PARALLEL,))
