@@ -141,22 +141,27 @@ class FusedHead:
     redistribution, whose backward hands each rank its slice of the gradient, which the fused backward already
     summed over the vocabulary shards), as the unfused output layer's ColwiseParallel does."""
 
-    def __init__(self, model: nn.Module, sequence_parallel: bool = False):
+    def __init__(self, model: nn.Module, sequence_parallel: bool = False, holders: tuple = ()):
         if not isinstance(getattr(model, "output", None), nn.Linear) or model.output.bias is not None:
             raise ConfigError(f"model.fused_head_loss: expected the model's output layer `output` to be a linear "
                               f"layer without bias, got {type(getattr(model, 'output', None)).__name__}")
         self.model = model
         self.output = model.output
         self.sequence_parallel = sequence_parallel
+        # the modules whose forward applies the output layer: the model, and under pipeline parallel the stage
+        # chunk that holds it (a module of its own sharing the layer, when a rank runs several stages)
+        self.holders = [model] + [m for m in holders if m is not model and getattr(m, "output", None) is self.output]
 
     @contextlib.contextmanager
     def deferred(self) -> Iterator[None]:
         """The model's forward returns the output layer's input (the final norm's output) instead of the logits."""
-        self.model._modules["output"] = None
+        for m in self.holders:
+            m._modules["output"] = None
         try:
             yield
         finally:
-            self.model._modules["output"] = self.output
+            for m in self.holders:
+                m._modules["output"] = self.output
 
     def __call__(self, hidden: torch.Tensor, labels: torch.Tensor, label_smoothing: float = 0.0,
                  z_loss: float = 0.0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -33,16 +33,13 @@ AUTO_FUSED_HEAD_BYTES = 256 << 20
 def fused_head_enabled(setting: Union[bool, str], vocab: int, tokens: int, pipeline: int, tensor: int,
                        sequence_parallel: bool) -> bool:
     """Whether the output head and the loss are fused (model.fused_head_loss: True, False or "auto"; `vocab` and
-    `tokens` per rank and micro-batch). Not under pipeline parallel (the last stage's loss gets logits from torch's
-    schedule): True is refused there in one line, "auto" is off. Under tensor + sequence parallel the head's
-    sequence-sharded input is gathered (fused_head.FusedHead)."""
+    `tokens` per rank and micro-batch). Under pipeline parallel the last stage stops before its output layer and
+    its loss applies it; under tensor + sequence parallel the head's sequence-sharded input is gathered
+    (fused_head.FusedHead)."""
     if setting not in (True, False, "auto"):
         raise ConfigError(f"model.fused_head_loss: expected True, False or \"auto\", got {setting!r}")
-    blocked = "pipeline parallel" if pipeline > 1 else None
-    if setting is True and blocked:
-        raise ConfigError(f"model.fused_head_loss: not under {blocked} (set it False or \"auto\")")
     if setting == "auto":
-        return blocked is None and 4 * vocab * tokens >= AUTO_FUSED_HEAD_BYTES
+        return 4 * vocab * tokens >= AUTO_FUSED_HEAD_BYTES
     return bool(setting)
 
 

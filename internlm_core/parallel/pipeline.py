@@ -193,6 +193,7 @@ class PipelineParallel:
             raise RuntimeError(f"torch {torch.__version__}: PipelineStage has no _prepare_backward_infra to watch "
                                f"metadata inference through; update internlm_core/parallel/pipeline.py for this version")
         self._criterion: Optional[Criterion] = None
+        self._head_input = False
         self._calls = 0  # loss calls of micro-batches this step (checked against micro_num, not used to find one)
 
     def _build_schedule(self, micro_num: int):
@@ -226,17 +227,20 @@ class PipelineParallel:
     def _loss(self, logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         record = not any(stage.inferring for stage in self.stages)
         self._calls += record
-        return self._criterion(self._logits(logits), *split_target(target), record)
+        # the fused head (model.fused_head_loss): the last stage hands on the head's input, not vocabulary shards
+        return self._criterion(logits if self._head_input else self._logits(logits), *split_target(target), record)
 
     def train_step(self, input_ids: torch.Tensor, labels: torch.Tensor, type_ids: torch.Tensor,
                    position_ids: torch.Tensor, document_ids: torch.Tensor, criterion: Criterion,
-                   **model_inputs: torch.Tensor) -> None:
+                   head_input: bool = False, **model_inputs: torch.Tensor) -> None:
         """Forward and backward of `micro_num` micro-batches (all inputs [micro_num * rows, T], split along
         dim 0); on the last stage `criterion(logits, labels, type_ids, index, record)` gives the loss to
         backpropagate for micro-batch `index` (a 0-dim device tensor), already normalized: the schedule divides
         nothing. `record` is False for torch's metadata-inference call (`_Stage.inferring`): no metrics from it.
-        model_inputs: more keyword inputs of every stage, split along dim 0 likewise (model.mtp's mtp_ids)."""
-        self._criterion, self._calls = criterion, 0
+        model_inputs: more keyword inputs of every stage, split along dim 0 likewise (model.mtp's mtp_ids).
+        head_input: the last stage stops before its output layer (the fused head, whose loss applies it): the
+        criterion gets the head's input as the stage returns it."""
+        self._criterion, self._calls, self._head_input = criterion, 0, head_input
         self.schedule.step(input_ids, target=micro_batch_target(labels, type_ids, self.micro_num),
                            return_outputs=False, position_ids=position_ids, document_ids=document_ids,
                            **model_inputs)

@@ -103,12 +103,16 @@ def build_kernels(cfg: Config, precision: Precision, device: torch.device, dims:
                           moe_cfg=cfg.moe if cfg.model.num_experts > 1 else None)
 
 
-def build_loss(cfg: Config, kernels: Kernels, model: Optional[torch.nn.Module] = None) -> FlashGPTLMLoss:
+def build_loss(cfg: Config, kernels: Kernels, model: Optional[torch.nn.Module] = None,
+               pipeline: Any = None) -> FlashGPTLMLoss:
     """The loss; with `model` and model.fused_head_loss deciding so (fused_head_of), it applies the model's output
     layer itself (fused_head.py), the model stopping before it in training."""
     loss = FlashGPTLMLoss(kernels.cross_entropy, label_smoothing=cfg.loss.label_smoothing)
-    if model is not None and fused_head_of(cfg):
-        loss.fused_head = FusedHead(model, cfg.parallel.sequence_parallel and cfg.parallel.tensor > 1)
+    # (under pipeline parallel the stages without the output layer compute no loss: nothing to fuse there)
+    last = pipeline is None or pipeline.is_last
+    if model is not None and fused_head_of(cfg) and last:
+        loss.fused_head = FusedHead(model, cfg.parallel.sequence_parallel and cfg.parallel.tensor > 1,
+                                    tuple(pipeline.chunks) if pipeline is not None else ())
         logger.info("fused output head and cross entropy (model.fused_head_loss): no [tokens, vocab] logits")
     return loss
 
@@ -274,7 +278,7 @@ def build_trainer(cfg: Config, launch: LaunchInfo, run_dir: Path, seed: Optional
     return Trainer(
         loop=LoopConfig.from_config(cfg, dims.tp, simulated=simulated), model=model,
         family=model_spec(cfg).hooks, pipeline=pipeline,
-        loss_fn=build_loss(cfg, kernels, model), precision=precision, kernels=kernels, optimizer=optimizer,
+        loss_fn=build_loss(cfg, kernels, model, pipeline), precision=precision, kernels=kernels, optimizer=optimizer,
         lr_scheduler=lr_scheduler, beta2_scheduler=beta2_scheduler, grad_scaler=grad_scaler,
         train_loader=train_loader, valid_loaders=valid_loaders, batch_skipper=batch_skipper, state=state, dims=dims,
         device=launch.device, run_dir=run_dir, rank=launch.rank, world_size=launch.world_size,

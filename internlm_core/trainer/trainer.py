@@ -213,14 +213,15 @@ class Trainer:
         from ..parallel.pipeline import stack_micro_batches  # torch.distributed.pipelining: pipeline runs only
         x = stack_micro_batches(list(self._micro_batches(batch, n)))
         shares = to_device(x["loss_shares"], self.device)  # micro_batch_mean: looked up by the index of the target
+        loss_fn = self.loss_fn if (fused := self.loss_fn.fused_head) is None else self.loss_fn.fused  # model.fused_head_loss
 
         def criterion(logits: torch.Tensor, labels: torch.Tensor, type_ids: torch.Tensor, index: torch.Tensor,
                       record: bool) -> torch.Tensor:
             if not record:  # torch's metadata inference: its gradients are discarded, no metrics
-                return norm.part(self.loss_fn(logits, labels)[0], labels, shares[index]) * norm.backward_factor(scale)
+                return norm.part(loss_fn(logits, labels)[0], labels, shares[index]) * norm.backward_factor(scale)
             fire("on_before_criterion", view)
             with hook.phase("cal_loss"):
-                loss, side = self.loss_fn(logits, labels)
+                loss, side = loss_fn(logits, labels)
             fire("on_after_criterion", view)
             hook.record(logits.detach(), labels, type_ids, side.token_losses, side.predictions)
             fire("on_micro_batch_end", view, logits.detach(), labels, type_ids, side.token_losses, side.predictions)
@@ -230,9 +231,9 @@ class Trainer:
             return (loss + mtp) * norm.backward_factor(scale)
 
         self.family.before_backward(self.model, norm.aux_factor(scale))
-        with self.autocast(), hook.phase("fwd_bwd"):
+        with self.autocast(), hook.phase("fwd_bwd"), fused.deferred() if fused is not None else contextlib.nullcontext():
             self.pipeline.train_step(x["input_ids"], x["labels"], x["type_ids"], x["position_ids"],
-                                     x["document_ids"], criterion, **model_extras(x))
+                                     x["document_ids"], criterion, head_input=fused is not None, **model_extras(x))
         return norm.rank_loss(total)
 
     def optimizer_step(self) -> tuple[bool, float]:

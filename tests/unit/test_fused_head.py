@@ -75,13 +75,11 @@ def test_peak_at_vocab_152k_is_lower_by_the_logits():
 def test_choice():
     assert fused_head_enabled("auto", 151936, 2048, 1, 1, False)  # 1.2 GB of logits
     assert not fused_head_enabled("auto", 512, 512, 1, 1, False)
-    assert not fused_head_enabled("auto", 151936, 8192, 2, 1, False)  # pipeline: auto is off
+    assert fused_head_enabled("auto", 151936, 8192, 2, 1, False)  # pipeline: the last stage's loss applies the head
     assert fused_head_enabled(True, 512, 512, 1, 2, False) and not fused_head_enabled(False, 151936, 8192, 1, 1, False)
     # tensor + sequence parallel: the head gathers its sequence-sharded input (tests/dist/test_fused_head_tp.py)
     assert fused_head_enabled(True, 512, 512, 1, 2, True) and fused_head_enabled("auto", 151936, 2048, 1, 2, True)
-    with pytest.raises(ConfigError, match=r"^model.fused_head_loss: not under pipeline parallel \(set it False or "
-                                          r"\"auto\"\)$"):
-        fused_head_enabled(True, 512, 512, 2, 1, False)
+    assert fused_head_enabled(True, 512, 512, 2, 1, False)
     with pytest.raises(ConfigError, match="model.fused_head_loss: expected True, False or \"auto\", got 'yes'"):
         fused_head_enabled("yes", 512, 512, 1, 1, False)
 
