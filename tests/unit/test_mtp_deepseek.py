@@ -59,6 +59,8 @@ def _reference_depth(hf, folder, ids):
 def test_depth_exports_imports_and_matches_a_transformers_reference(tmp_path):
     hf_model(V3).save_pretrained(tmp_path / "hf")
     cfg, model = ours_for(tmp_path / "hf", ["model.mtp=1"])
+    from internlm_core.model import count_parameters, get_model_spec, model_args
+    assert count_parameters(model) == get_model_spec("DEEPSEEK_V3").num_parameters(model_args(cfg))  # depth counted
     # the main model's weights from a folder without MTP layers (its depth kept on purpose); the depth's stay random
     load_hf(model, tmp_path / "hf", strict=False, keep=("model.mtp",))
     with torch.no_grad():

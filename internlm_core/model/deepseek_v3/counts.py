@@ -129,12 +129,22 @@ COUNTS = ModelCounts(block=block, embedding=dense.embedding, head=dense.head,
 
 
 def num_parameters(a: Any) -> int:
-    """The model's parameter count from its shape (equal to the built module's: tests/unit/test_deepseek_v3.py)."""
-    return parameters_of(a)
+    """The model's parameter count from its shape (equal to the built module's: tests/unit/test_deepseek_v3.py);
+    model.mtp's depths included (each its block, eh_proj and three norms)."""
+    h = a.hidden_size
+    return parameters_of(a) + sum(block(b).count + 2 * h * h + 3 * h for b in _mtp_args(a))
+
+
+def _mtp_args(a: Any) -> list[Any]:
+    """model.mtp's blocks' args: block num_layers + k of the stack (MoE from first_k_dense_replace on)."""
+    plain = dataclasses.replace(a, moe=None)
+    return [a if a.layer_mix.is_moe(a.num_layers + k) else plain for k in range(a.mtp_depth)]
 
 
 def flops_per_token(a: Any, seq_len: int) -> int:
     """Model FLOPs per trained token: 6 per active non-embedding parameter (the head included) and the attention
     scores and values, 3 x the forward's (the dense convention, full s x s square)."""
     active = active_parameters(a) - dense.embedding(a).count
-    return int(6 * active + 3 * a.num_layers * attention_flops_per_token(a, seq_len))
+    h, depths = a.hidden_size, _mtp_args(a)  # model.mtp: each depth a block, eh_proj and the head once more
+    active += sum(_active_block(b) + 2 * h * h + dense.head(a).count for b in depths)
+    return int(6 * active + 3 * (a.num_layers + len(depths)) * attention_flops_per_token(a, seq_len))
