@@ -198,7 +198,7 @@ class Muon(torch.optim.Optimizer):
             g = p.grad
             state = self.state[p]
             if "step" not in state:
-                state["step"] = torch.tensor(0.0, dtype=torch.float32)
+                state["step"] = torch.tensor(0.0, dtype=torch.float32, device="cpu")  # a host counter, as torch's AdamW keeps it
                 state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
                 state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
             state["step"] += 1

@@ -65,7 +65,8 @@ def stack_micro_batches(mbs: list[dict]) -> dict:
     out["document_ids"] = torch.cat([mb["document_ids"] if "document_ids" in mb else
                                      document_ids_from_cu_seqlens(mb["cu_seqlens"], *mb["input_ids"].shape)
                                      for mb in mbs])
-    out["loss_shares"] = torch.tensor([mb.get("loss_share", 1.0) for mb in mbs], dtype=torch.float32)
+    out["loss_shares"] = torch.tensor([mb.get("loss_share", 1.0) for mb in mbs], dtype=torch.float32,
+                                      device="cpu")
     return out
 
 
