@@ -244,7 +244,7 @@ def test_flops_per_token_count_the_depths(model_type, extra):
     from internlm_core.model import model_flops_per_token
     on, off = small_cfg(model_type, **extra), small_cfg(model_type, mtp=None, **extra)
     args_on, args_off = model_args_from_config(on), model_args_from_config(off)
-    h, v, t = 32, 61, 32
+    h, v = 32, 61
     added = model_flops_per_token(on, args_on) - model_flops_per_token(off, args_off)
     per_block = (model_flops_per_token(off, args_off) - 6 * v * h) / 2  # 2 blocks, the head aside
     assert added == pytest.approx(2 * (per_block + 6 * (2 * h * h + v * h)), rel=0.02)
