@@ -103,6 +103,19 @@ def build_muon(model: torch.nn.Module, cfg: AdamConfig, opt: OptimizerConfig,
     return optimizer
 
 
+def contiguous_grads(optimizer: torch.optim.Optimizer, *_: object) -> None:
+    """A step pre-hook: replace every non-contiguous gradient by a contiguous copy. torch's fused AdamW (2.13, CPU)
+    reads a strided gradient as if it were contiguous and updates with the wrong elements, silently; the weight
+    passes of the split-backward pipeline schedules (interleaved_zb, zbv, dualpipev) leave transposed gradients
+    where FSDP does not replace them (no data or context parallel). Costs nothing when every gradient is
+    contiguous."""
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            g = p.grad
+            if g is not None and not (g.to_local() if isinstance(g, DTensor) else g).is_contiguous():
+                p.grad = g.contiguous()
+
+
 def build_optimizer(model: torch.nn.Module, cfg: AdamConfig, impl: str, opt: Optional[OptimizerConfig] = None,
                     blocks: Optional[Iterable[torch.nn.Module]] = None) -> torch.optim.Optimizer:
     """AdamW over the model's parameter groups; `impl` is `Kernels.optimizer` ("apex", "fused", "foreach").
@@ -123,5 +136,6 @@ def build_optimizer(model: torch.nn.Module, cfg: AdamConfig, impl: str, opt: Opt
         opt = apex_fused_adamw_class()(groups, adam_w_mode=True, set_grad_none=True, **kwargs)
     else:
         opt = torch.optim.AdamW(groups, fused=impl == "fused", foreach=None if impl == "fused" else True, **kwargs)
+    opt.register_step_pre_hook(contiguous_grads)
     logger.info(f"optimizer: AdamW ({impl}), {sum(len(g['params']) for g in groups)} tensors in {len(groups)} groups")
     return opt
