@@ -44,8 +44,14 @@ def _close(a, b, what):
         assert abs(x - y) <= 1e-5 * max(1.0, abs(x)), (what, step, x, y)
 
 
-def test_expert_parallel_equals_one_expert_group(tmp_path):
-    ref = _run(tmp_path, "one", 1, [*DROPLESS, "data.micro_num=4"])
+@pytest.fixture(scope="module")
+def dropless_one(tmp_path_factory):
+    """One process, dropless routing, the global batch's 4 micro-batches: the reference of several tests."""
+    return _run(tmp_path_factory.mktemp("moe_one"), "one", 1, [*DROPLESS, "data.micro_num=4"])
+
+
+def test_expert_parallel_equals_one_expert_group(tmp_path, dropless_one):
+    ref = dropless_one
     losses = [r["loss"] for r in ref]
     assert losses[-1] < losses[0]
     # the load-balance metrics of every step: each layer's max/min load over the mean, its aux loss
@@ -96,9 +102,9 @@ def test_expert_parallel_with_capacity_drops_the_same_tokens(tmp_path):
     _close([r["moe/dropped"] for r in ref], [r["moe/dropped"] for r in ep2], "dropped fraction")
 
 
-def test_checkpoint_at_expert_parallel_2_resumes_at_1_and_4(tmp_path):
+def test_checkpoint_at_expert_parallel_2_resumes_at_1_and_4(tmp_path, dropless_one):
     ckpt = ["ckpt.enable_save_ckpt=True", "ckpt.checkpoint_every=3", "ckpt.auto_resume=False"]
-    ref = [r["loss"] for r in _run(tmp_path, "one", 1, [*DROPLESS, "data.micro_num=4"])]
+    ref = [r["loss"] for r in dropless_one]
     _run(tmp_path, "ep2", 2, [*DROPLESS, "parallel.expert=2", "data.micro_num=2", *ckpt,
                               f"ckpt.save_ckpt_folder={tmp_path / 'ckpt'}", "data.total_steps=3"])
     load = ["ckpt.auto_resume=False", f"ckpt.load_ckpt_info={{'path': '{tmp_path / 'ckpt' / '3'}', 'content': ['all']}}"]
