@@ -73,9 +73,11 @@ LAYOUTS = {
                                                        "model.num_chunks=2", "parallel.sequence_parallel=True",
                                                        "data.micro_num=4"]),
 }
-# the precision matrix: each against one process in the same precision (bf16: data, HSDP, tensor, pipeline
-# parallel; fp16 with its loss scale: data and tensor parallel)
-for _p, _names in (("bf16", ("zero2", "hsdp", "tp2", "pp2")), ("fp16", ("zero2", "tp2"))):
+# the precision matrix: each against one process in the same precision (bf16: sharded data, tensor and pipeline
+# parallel; fp16 with its loss scale: sharded data parallel). HSDP in bf16 and tensor parallel in fp16 ran here
+# until make test needed the time: their casts and loss scaling are zero2's and tp2's, and the non-finite check
+# below covers every tensor-parallel rank skipping a non-finite step together.
+for _p, _names in (("bf16", ("zero2", "tp2", "pp2")), ("fp16", ("zero2",))):
     for _name in _names:
         _world, _mt, _, _ov = LAYOUTS[_name]
         LAYOUTS[f"{_name}_{_p}"] = (_world, _mt, _p, _ov)
@@ -90,7 +92,9 @@ RESUMES = {
     "tp2_sp_to_one": ("tp2_sp", 1, ["data.micro_num=4"]),
     "pp2_to_zero2": ("pp2", 2, ["parallel.zero1=-1", "data.micro_num=2"]),
 }
-REFERENCES = [f"reference_{mt}_{p}" for mt in MODEL for p in DTYPES]
+# the one-process runs the layouts compare with (fp32 of every model type: the resumes' reference too)
+REFERENCES = [f"reference_{mt}_{p}" for mt in MODEL for p in DTYPES
+              if p == "fp32" or any(w[1:3] == (mt, p) for w in LAYOUTS.values())]
 SOURCES = {source for source, _, _ in RESUMES.values()}  # layouts whose step-5 checkpoint a resume loads
 PROBE_ROW = 10_000  # validation probe: the global rows after this one (never trained on)
 
