@@ -65,8 +65,16 @@ stop_all() {
         kill -KILL "$pid" 2> /dev/null || true
         wait "$pid" 2> /dev/null || true
     done
+    # the lighthouse gets SIGTERM until it is gone (SIGKILL after STOP_TIMEOUT s): one started an instant ago may
+    # still be bash's fork, which drops a trapped signal that arrives before its exec (seen: the lighthouse left
+    # running and the script waiting on it)
     if [ -n "$LIGHTHOUSE_PID" ]; then
-        kill -TERM "$LIGHTHOUSE_PID" 2> /dev/null || true
+        deadline=$((SECONDS + STOP_TIMEOUT))
+        while kill -0 "$LIGHTHOUSE_PID" 2> /dev/null && [ "$SECONDS" -lt "$deadline" ]; do
+            kill -TERM "$LIGHTHOUSE_PID" 2> /dev/null || true
+            sleep 0.2
+        done
+        kill -KILL "$LIGHTHOUSE_PID" 2> /dev/null || true
         wait "$LIGHTHOUSE_PID" 2> /dev/null || true
     fi
     PIDS=()
