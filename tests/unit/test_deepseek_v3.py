@@ -201,8 +201,9 @@ def test_parameter_counts_module_and_published():
         assert abs(active_parameters(a) / active - 1) < 0.1, (size, active_parameters(a))
 
 
+@pytest.mark.parametrize("features", ["NATIVE", "EMULATED"])  # the linears and the estimator read them: pinned
 @pytest.mark.parametrize("dtype,bound", [("torch.float32", 0.03), ("torch.bfloat16", 0.10)])
-def test_activation_terms_match_saved_tensors(dtype, bound):
+def test_activation_terms_match_saved_tensors(dtype, bound, features):
     """The estimator's latent-attention and MoE terms against what autograd saves (tests/unit/test_estimate.py's
     measure): measured fp32 -0.5%, bf16 -7% (the experts' and shared experts' per-linear autocast casts, which the
     MoE families' shared terms do not count)."""
@@ -215,10 +216,12 @@ def test_activation_terms_match_saved_tensors(dtype, bound):
                                           "model.intermediate_size=128", "model.moe_intermediate_size=64",
                                           "model.num_shared_experts=1", "model.first_k_dense_replace=1",
                                           "moe.score_func=sigmoid", f"model.dtype={dtype}"])
-    e = estimate(cfg, 1, device="cpu")
-    measured, _ = saved_bytes(cfg, getattr(torch, dtype.split(".")[1]),
-                              torch.tensor([0, 100, 256, 300, 512], dtype=torch.int32), e.cross_entropy)
-    assert abs((e.memory.activations + e.memory.weight_copies) / measured - 1) < bound
+    from internlm_core.utils.cpu_features import CpuFeatures, pinned
+    with pinned(getattr(CpuFeatures, features)):
+        e = estimate(cfg, 1, device="cpu")
+        measured, _ = saved_bytes(cfg, getattr(torch, dtype.split(".")[1]),
+                                  torch.tensor([0, 100, 256, 300, 512], dtype=torch.int32), e.cross_entropy)
+    assert abs((e.memory.activations + e.memory.weight_copies) / measured - 1) < bound, (features, dtype)
 
 
 def test_folder_keys_taken_into_the_run_and_a_conflict_refused(tmp_path):
