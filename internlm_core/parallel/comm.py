@@ -57,6 +57,18 @@ class CommCounter:
         return counter
 
 
+_FLOAT8 = (torch.float8_e4m3fn, torch.float8_e5m2)
+
+
+def float8_as_bytes(output: torch.Tensor, input: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """An all-gather's buffers, float8 ones as uint8 views of the same memory (bitwise the float8 values): gloo has
+    no float8 dtype ("Invalid scalar type"). Every custom all-gather set on an FSDP unit sends through this, so the
+    one set last (the counter here, model.fp8's in parallel/float8.py) never undoes the other's transport."""
+    if output.dtype in _FLOAT8:
+        return output.view(torch.uint8), input.view(torch.uint8)
+    return output, input
+
+
 def _empty(size: Sequence[int], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     return torch.empty(size, dtype=dtype, device=device)
 
@@ -72,6 +84,7 @@ class _CountingAllGather(AllGather):
                  async_op: bool = False):
         self.counter.gathered += output_tensor.numel() * output_tensor.element_size()
         self.counter.gathers += 1
+        output_tensor, input_tensor = float8_as_bytes(output_tensor, input_tensor)
         return collectives.all_gather_single(output_tensor, input_tensor, group=group, async_op=async_op)
 
 

@@ -143,9 +143,6 @@ def float8_tp_styles(plan: Fp8Plan, backend: Optional[str] = None,
     return styles
 
 
-_FLOAT8 = (torch.float8_e4m3fn, torch.float8_e5m2)
-
-
 def send_float8_as_bytes(model: nn.Module) -> int:
     """model.fp8's float8 all-gather on a backend without float8 dtypes (gloo: "Invalid scalar type"): every FSDP
     unit of `model` all-gathers through a custom AllGather that sends a float8 buffer as its bytes (a uint8 view of
@@ -156,6 +153,7 @@ def send_float8_as_bytes(model: nn.Module) -> int:
     from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather
 
     from ..utils.collectives import all_gather_single
+    from .comm import float8_as_bytes
 
     class Float8AsBytes(AllGather):
         def allocate(self, size: Any, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -163,9 +161,7 @@ def send_float8_as_bytes(model: nn.Module) -> int:
 
         def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: Any,
                      async_op: bool = False) -> Any:
-            if output_tensor.dtype in _FLOAT8:
-                output_tensor, input_tensor = output_tensor.view(torch.uint8), input_tensor.view(torch.uint8)
-            return all_gather_single(output_tensor, input_tensor, group=group, async_op=async_op)
+            return all_gather_single(*float8_as_bytes(output_tensor, input_tensor), group=group, async_op=async_op)
 
     units = [m for m in model.modules() if isinstance(m, FSDPModule)]
     for unit in units:
