@@ -1,4 +1,4 @@
-"""train.py with the WSD schedule and with Muon, stopped and resumed as a user would: bitwise the uninterrupted run.
+"""train.py with the WSD schedule, with Muon and with multi-token prediction, stopped and resumed as a user would: bitwise the uninterrupted run.
 The WSD job is planned to decay at step 10, stopped at step 4, resumed with lr_scheduler.decay_start_step=6 (cool down
 earlier, the issue's "decay start settable for a running job") across the decay start to step 8, and resumed again
 inside the decay: every loss and lr equals a run that planned step 6 from the start."""
@@ -63,3 +63,16 @@ def test_muon_resume_is_bitwise(tmp_path):
     resumed, out = train(jobs, "b", 8, *muon)
     assert "(step 4, regular" in out
     assert by_step(resumed, "loss") == {s: v for s, v in by_step(ref, "loss").items() if s > 4}
+
+
+def test_mtp_resume_is_bitwise(tmp_path):
+    """model.mtp's depths (their blocks, norms and projections) are in the checkpoint: a job stopped at step 3 and
+    resumed trains steps 4-6 with the uninterrupted run's loss and mtp_loss."""
+    mtp = ["model.mtp={'depth': 2, 'loss_weight': 0.3}"]
+    ref, _ = train(tmp_path / "ref", "run", 6, *mtp)
+    jobs = tmp_path / "jobs"
+    train(jobs, "a", 3, *mtp)
+    resumed, out = train(jobs, "b", 6, *mtp)
+    assert "(step 3, regular" in out
+    for key in ("loss", "mtp_loss", "grad_norm"):
+        assert by_step(resumed, key) == {s: v for s, v in by_step(ref, key).items() if s > 3}, key
