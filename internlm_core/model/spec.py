@@ -204,14 +204,15 @@ class TrainingHooks:
         just before its backward (losses a family adds inside the model scale theirs the same way);
     after_step(model, dp_group): after each optimizer step that was taken, outside autograd; dp_group: the
         data-parallel process group (None for one process), for what must agree across the data-parallel ranks;
-    step_metrics(model, dp_group) -> {name: value}: the family's metrics of the step just taken (metrics.jsonl,
-        TensorBoard, console), e.g. "moe/layer0/max_load" (names without a leading "/"); called on every rank
-        (dp_group as for after_step: a family may sum over it).
+    step_metrics(model, dp_group, pp_group) -> {name: value}: the family's metrics of the step just taken
+        (metrics.jsonl, TensorBoard, console), e.g. "moe/layer0/max_load" (names without a leading "/"); called on
+        every rank (dp_group as for after_step: a family may sum over it; pp_group: the pipeline stages, None
+        without pipeline parallel: each stage holds other layers, a family merges their metrics over it).
     """
 
     before_backward: Callable[[nn.Module, float], None] = _no_op
     after_step: Callable[[nn.Module, Any], None] = _no_op
-    step_metrics: Callable[[nn.Module, Any], dict] = lambda model, dp_group: {}
+    step_metrics: Callable[[nn.Module, Any, Any], dict] = lambda model, dp_group, pp_group: {}
 
 
 @dataclass(frozen=True)

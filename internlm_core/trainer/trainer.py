@@ -311,7 +311,8 @@ class Trainer:
             metrics.update(self.comm.pop())
         if self.context is not None:
             metrics.update(self.context.step_metrics())
-        metrics.update(self.family.step_metrics(self.model, self.dims.group("dp_cp") if self.dims.dp_cp > 1 else None))
+        metrics.update(self.family.step_metrics(self.model, self.dims.group("dp_cp") if self.dims.dp_cp > 1 else None,
+                                                self.dims.group("pp") if self.dims.pp > 1 else None))
         metrics.update(self.mtp.step_metrics(self.dims) if self.mtp is not None else {})  # mtp_loss
         if self.replicas is not None:
             metrics.update(self.replicas.step_metrics())  # ft/participants, ft/quorum_time, ...

@@ -79,7 +79,7 @@ def run_job(name: str, launch, root: Path) -> None:
     class Record(TrainerCallback):
         def on_step_end(self, view, metrics):
             record["steps"].append({k: v for k, v in metrics.items()
-                                    if k in ("loss", "grad_norm") or k.startswith("moe/layer")})
+                                    if k in ("loss", "grad_norm") or k.startswith("moe/")})
 
     trainer = build_trainer(cfg, launch, resolve_run_dir(cfg, str(root / name / "run"), launch),
                             extra_callbacks=[Record()])
@@ -127,8 +127,8 @@ def _merged(records: list[dict], key: str) -> dict[str, torch.Tensor]:
 
 
 def _steps(records: list[dict]) -> list[dict]:
-    """Each step's metrics, merged over the ranks: the MoE layers' on the ranks holding them (per layer: a rank's
-    aggregate over its own layers differs with the stage split), the same loss and norm everywhere."""
+    """Each step's metrics, the same on every rank: the loss, the norm and the MoE metrics of every layer and over
+    all layers (each stage holds other layers; moe_step_metrics merges them over the pipeline stages)."""
     out = []
     for step in range(len(records[0]["steps"])):
         merged: dict = {}
@@ -136,6 +136,7 @@ def _steps(records: list[dict]) -> list[dict]:
             for k, v in rec["steps"][step].items():
                 assert k not in merged or merged[k] == pytest.approx(v, rel=1e-6, abs=1e-7), (step, k)
                 merged[k] = v
+        assert all(sorted(rec["steps"][step]) == sorted(merged) for rec in records), step
         out.append(merged)
     return out
 
@@ -156,6 +157,9 @@ def test_schedule_trains_like_1f1b(runs, name):
         assert [r["stages"] for r in got] == [[0, 3], [0, 3], [1, 2], [1, 2]]
     a, b = _steps(got), _steps(ref)
     assert len(a) == len(b) == STEPS
+    if family == "moe":  # every rank reported all four layers and the aggregates over them
+        assert {k.split("/")[1] for k in a[0] if k.startswith("moe/layer")} == {f"layer{i}" for i in range(4)}
+        assert "moe/max_load" in a[0] and "moe/aux_loss" in a[0]
     for step in range(STEPS):
         assert sorted(a[step]) == sorted(b[step]), step
         for k in a[step]:  # loss, grad_norm and (MoE) every layer's loads, aux and z losses

@@ -8,6 +8,7 @@ the global batch's routing, the same under every layout):
     moe/layer{i}/aux_loss, z_loss     the load-balancing and router z-losses (before their coefficients)
 and over all layers: moe/max_load (the worst layer), moe/dropped and moe/aux_loss (means); under expert parallel
 comm/all_to_all_bytes and comm/all_to_alls: what this rank's token all-to-alls sent to other ranks in the step.
+Under pipeline parallel every stage reports the layers of all stages (and the all-to-alls of its pipeline's ranks).
 """
 
 from __future__ import annotations
@@ -62,13 +63,9 @@ def _step_table(layers: list[tuple[str, MoEFeedForward]], group: Optional[dist.P
     return table.cpu()
 
 
-def moe_step_metrics(model: nn.Module, group: Optional[dist.ProcessGroup] = None) -> dict[str, float]:
-    """The step's load-balance metrics (module docstring); empty when no MoE layer ran this step. `group`: the
-    data-parallel ranks whose routing is summed (every rank of it must call; None: this rank's alone)."""
-    out: dict[str, float] = {}
-    layers = moe_named_layers(model)
-    table = _step_table(layers, group)
-    per_layer = []
+def _layer_records(layers: list[tuple[str, MoEFeedForward]], table: Optional[torch.Tensor]) -> dict[str, dict]:
+    """{layer index: its metrics} of the layers that ran this step, from `_step_table`'s rows."""
+    records = {}
     for (index, layer), row in zip(layers, table if table is not None else []):
         E = layer.args.num_experts
         forwards = float(row[E + 4])
@@ -76,14 +73,37 @@ def moe_step_metrics(model: nn.Module, group: Optional[dist.ProcessGroup] = None
             continue
         load = row[:E]
         mean = float(load.mean()) or 1.0
-        record = {"max_load": float(load.max()) / mean, "min_load": float(load.min()) / mean,
-                  "dropped": float(row[E]) / max(float(row[E + 1]), 1.0), "aux_loss": float(row[E + 2]) / forwards,
-                  "z_loss": float(row[E + 3]) / forwards}
+        records[index] = {"max_load": float(load.max()) / mean, "min_load": float(load.min()) / mean,
+                          "dropped": float(row[E]) / max(float(row[E + 1]), 1.0),
+                          "aux_loss": float(row[E + 2]) / forwards, "z_loss": float(row[E + 3]) / forwards}
+    return records
+
+
+def _merge_stages(records: dict[str, dict], sent: dict, pp_group: Optional[dist.ProcessGroup]) -> tuple[dict, dict]:
+    """Every pipeline stage's layer records (each stage holds other layers) and all-to-all counts (summed)."""
+    if pp_group is None or dist.get_world_size(pp_group) == 1:
+        return records, sent
+    stages: list = [None] * dist.get_world_size(pp_group)
+    collectives.all_gather_object(stages, (records, sent), group=pp_group)
+    merged = {index: r for stage_records, _ in stages for index, r in stage_records.items()}
+    ordered = dict(sorted(merged.items(), key=lambda kv: (0, int(kv[0]), "") if kv[0].isdigit() else (1, 0, kv[0])))
+    return ordered, {k: sum(stage_sent[k] for _, stage_sent in stages) for k in sent}
+
+
+def moe_step_metrics(model: nn.Module, group: Optional[dist.ProcessGroup] = None,
+                     pp_group: Optional[dist.ProcessGroup] = None) -> dict[str, float]:
+    """The step's load-balance metrics (module docstring); empty when no MoE layer ran this step. `group`: the
+    data-parallel ranks whose routing is summed (every rank of it must call; None: this rank's alone); `pp_group`:
+    the pipeline stages, whose layers' metrics every stage gets (None: this stage's layers only)."""
+    layers = moe_named_layers(model)
+    records, sent = _merge_stages(_layer_records(layers, _step_table(layers, group)), pop_all_to_all_bytes(),
+                                  pp_group)
+    out: dict[str, float] = {}
+    for index, record in records.items():
         out.update({f"moe/layer{index}/{k}": v for k, v in record.items()})
-        per_layer.append(record)
-    sent = pop_all_to_all_bytes()
     if sent["calls"]:  # expert parallel: the token all-to-alls of the step (to other ranks), forward and backward
         out["comm/all_to_all_bytes"], out["comm/all_to_alls"] = sent["bytes"], sent["calls"]
+    per_layer = list(records.values())
     if per_layer:
         out["moe/max_load"] = max(r["max_load"] for r in per_layer)
         out["moe/dropped"] = sum(r["dropped"] for r in per_layer) / len(per_layer)
