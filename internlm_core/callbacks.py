@@ -5,9 +5,9 @@ Callbacks observe (metrics, plots, trackers, profiling, heartbeats); they decide
 saving, stopping, rewinding and validating are decided by the loop itself (`trainer.trainer.Trainer.train`, through
 its named parts: the stop poller, the loss health judge, the spike rewinder, the checkpointer). The order of the
 callbacks in the list is the order they are told, nothing depends on it. A callback that wants a checkpoint of
-this step, or the run to stop after it, asks through `view.requests` (`save(reason)`, `stop(reason)`): the loop
-reads the requests when it polls stop requests, right after `on_step_end`, so a save asked for at step s is a save
-of step s. A save is collective: every rank must ask at the same step.
+this step, or the run to stop after it, asks through `view.requests` (`ask_save(reason)`, `ask_stop(reason)`): the
+loop reads the requests when it polls stop requests, right after `on_step_end`, so a save asked for at step s is a
+save of step s. A save is collective: every rank must ask at the same step.
 """
 
 from __future__ import annotations

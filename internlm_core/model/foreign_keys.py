@@ -71,8 +71,8 @@ def run_value(key: str, m: Any, moe: Any) -> Any:
     if key == "mtp":  # model.mtp: its depth is what the folder fixes (loss_weight is the run's)
         return mtp_depth(m.mtp)
     if key == "top_k" or key.startswith("moe."):
-        return getattr(moe, key.split(".")[-1], None)
-    return getattr(m, key, None)
+        return getattr(moe, key.split(".")[-1])  # a typed field of the `moe` section
+    return getattr(m, key)  # a typed field of the `model` section (an adapter's key names one)
 
 
 def set_run_value(key: str, m: Any, moe: Any, value: Any) -> None:

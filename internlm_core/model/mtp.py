@@ -135,7 +135,7 @@ class MultiTokenPrediction(nn.Module):
 def build_mtp(args: Any, make_block: Callable[[int], nn.Module]) -> Optional[MultiTokenPrediction]:
     """The model's MTP module (None when args.mtp_depth is 0); make_block(k): the family's block of depth k + 1
     (a family numbers it num_layers + k, e.g. for which blocks are MoE)."""
-    if not getattr(args, "mtp_depth", 0):
+    if not args.mtp_depth:
         return None
     return MultiTokenPrediction(args.mtp_depth, args.hidden_size, args.norm_eps, args.use_fp32_norm, make_block)
 

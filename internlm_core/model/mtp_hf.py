@@ -95,4 +95,4 @@ def mtp_from_hf(hf: Mapping[str, torch.Tensor], args: Any,
 
 
 def _depth(args: Any) -> int:
-    return int(getattr(args, "mtp_depth", 0))  # a family's args without the field has no depths
+    return int(args.mtp_depth)  # ModelArgs.mtp_depth (0: no depths)

@@ -13,7 +13,7 @@ import socket
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 import torch
 
@@ -52,6 +52,9 @@ from .state import BatchSkipper, TrainState
 from .parts import LoopConfig, TrainLoader
 from .replicated import build_replicas
 from .trainer import Trainer
+
+if TYPE_CHECKING:
+    from ..parallel.pipeline import PipelineParallel
 
 logger = get_logger(__name__)
 
@@ -104,7 +107,7 @@ def build_kernels(cfg: Config, precision: Precision, device: torch.device, dims:
 
 
 def build_loss(cfg: Config, kernels: Kernels, model: Optional[torch.nn.Module] = None,
-               pipeline: Any = None) -> FlashGPTLMLoss:
+               pipeline: Optional[PipelineParallel] = None) -> FlashGPTLMLoss:
     """The loss; with `model` and model.fused_head_loss deciding so (fused_head_of), it applies the model's output
     layer itself (fused_head.py), the model stopping before it in training."""
     loss = FlashGPTLMLoss(kernels.cross_entropy, label_smoothing=cfg.loss.label_smoothing)
@@ -320,14 +323,14 @@ def build_parallel_model(inputs: ModelInputs, cfg: Config, dims: ParallelDims, l
 
 
 def build_instruments(cfg: Config, launch: LaunchInfo, dims: ParallelDims, kernels: Kernels, precision: Precision,
-                      args: Any, train_loader: Any) -> tuple[SchedulerMetricHook, Throughput]:
+                      args: Any, train_loader: TrainLoader) -> tuple[SchedulerMetricHook, Throughput]:
     """The loop's own timers and training metric (SchedulerMetricHook) and its throughput / MFU meter."""
     # MFU's denominator is the peak of the GEMM the linear layers run: fp32's where 16-bit layers multiply in fp32
     peak = device_peak_flops(launch.device, torch.float32 if kernels.linear == "fp32_gemm" else precision.compute_dtype,
                              tf32=precision.tf32)
     throughput = Throughput(model_flops_per_token(cfg, args), launch.world_size, peak)
     timers = Timers(device=launch.device)  # CUDA: device time between events, not host enqueue time
-    type_names = getattr(train_loader, "type_names", None) or {}
+    type_names = dict(train_loader.type_names)
     # summed over data x context parallel x pipeline: each token counted once (only the last stage has outputs)
     metric = AccPerplex(type_names, dims.group("pp_dp") if dims.pp_dp > 1 else None)
     return SchedulerMetricHook(timers, metric), throughput

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator, Optional
 
 import torch
+import torch.distributed as dist
 
 from ..config import Config
 from ..data.eval_tasks import (EvalTask, Request, build_requests, choice_metrics, deal_batches, make_batch, per_doc,
@@ -47,7 +48,7 @@ class TaskEvaluator:
     loss_fn: FlashGPTLMLoss           # the run's cross entropy kernel without label smoothing: log-likelihoods
     every: int                        # evaluation.eval_every (0: only at the end)
     at_end: bool
-    group: Any = None                 # "pp_dp": the ranks that hold parts of the sums (None: one process)
+    group: Optional[dist.ProcessGroup] = None  # "pp_dp": the ranks that hold parts of the sums (None: one process)
     device: torch.device = torch.device("cpu")
     details_path: Optional[Path] = None  # rank 0: eval_details.jsonl (per-document log-likelihoods)
     last_step: int = -1

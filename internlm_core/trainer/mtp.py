@@ -14,13 +14,17 @@ host read per step when model.mtp is on).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Optional, Sequence
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from ..config import Config
+from ..config.schema import ModelConfig
+from ..distributed import ParallelDims
 from ..errors import ConfigError
+from ..loss import FlashGPTLMLoss
 from ..loss_norm import LossNormalizer
 from ..model import document_ids_from_cu_seqlens
 from ..model.mtp import (MTP_KEYS, MultiTokenPrediction, model_extras, mtp_module, mtp_settings, mtp_targets,
@@ -39,10 +43,10 @@ class MTPLoss:
 
     depth: int
     loss_weight: float
-    loss_fn: Any
+    loss_fn: FlashGPTLMLoss
     module: Optional[MultiTokenPrediction]
     reduction: str
-    dims: Any
+    dims: ParallelDims
     device: torch.device
     _step: list = field(default_factory=list, repr=False)       # this step's targets, one (ids, labels) per micro-batch
     _norms: list = field(default_factory=list, repr=False)      # this step's normalizer of each depth
@@ -65,7 +69,7 @@ class MTPLoss:
         ids, labels = self._step[i]
         return {**mb, "mtp_ids": ids, "mtp_labels": labels}
 
-    def term(self, norm: LossNormalizer, labels: torch.Tensor, shares: Optional[Any] = None) -> torch.Tensor:
+    def term(self, norm: LossNormalizer, labels: torch.Tensor, shares: Optional[Sequence[float]] = None) -> torch.Tensor:
         """What the depths add to the main loss's term before its backward (module docstring), for the depths'
         logits of the forward just run (`labels` [.., D] their targets; `shares` each depth's context share, or
         None); 0 when that forward ran no depth. Its value counts towards `mtp_loss`."""
@@ -92,7 +96,7 @@ class MTPLoss:
         labels = labels.view(norm.micro_num, -1, *labels.shape[1:])
         return self.term(norm, labels.index_select(0, index.reshape(1).long())[0])
 
-    def step_metrics(self, dims: Any) -> dict[str, float]:
+    def step_metrics(self, dims: ParallelDims) -> dict[str, float]:
         """{"mtp_loss": the step's (1 / D) * sum_k L_k}, reduced over "pp_dp" as the loss (every rank calls)."""
         totals = self._totals if self._totals is not None else torch.zeros(self.depth, device=self.device)
         if self._norms:
@@ -101,10 +105,12 @@ class MTPLoss:
         if dims.pp_dp > 1:
             collectives.all_reduce(totals, op=dist.ReduceOp.SUM, group=dims.group("pp_dp"))
         self._totals = None
-        return {"mtp_loss": float(totals.sum() / (dims.dp * self.depth))}
+        norm = self._norms[0] if self._norms else LossNormalizer(1, dims.dp, dims.cp)  # global_loss: / dp
+        return {"mtp_loss": float(norm.global_loss(totals.sum()) / self.depth)}  # the depths' mean
 
 
-def build_mtp_loss(cfg: Any, model: nn.Module, loss_fn: Any, dims: Any, device: torch.device) -> Optional[MTPLoss]:
+def build_mtp_loss(cfg: Config, model: nn.Module, loss_fn: FlashGPTLMLoss, dims: ParallelDims,
+                   device: torch.device) -> Optional[MTPLoss]:
     """The trainer's MTPLoss when model.mtp is on (None otherwise); `model`: this rank's (parallelized) model."""
     settings = mtp_settings(cfg.model.mtp)
     if not settings.on:
@@ -112,7 +118,7 @@ def build_mtp_loss(cfg: Any, model: nn.Module, loss_fn: Any, dims: Any, device: 
     return MTPLoss(settings.depth, settings.loss_weight, loss_fn, mtp_module(model), cfg.loss.reduction, dims, device)
 
 
-def check_family_mtp(model_cfg: Any, model_type: str, model: nn.Module) -> None:
+def check_family_mtp(model_cfg: ModelConfig, model_type: str, model: nn.Module) -> None:
     """ConfigError when model.mtp is on and the family's module (`model`, whole, before any split) built no depths."""
     if mtp_settings(model_cfg.mtp).on and mtp_module(model) is None:
         raise ConfigError(f"model.mtp: model_type {model_type} builds no multi-token prediction depths "

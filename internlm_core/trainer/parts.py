@@ -4,7 +4,7 @@ resolved once) and `TrainLoader` (what the loop needs of its training data loade
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Iterator, Protocol, runtime_checkable
+from typing import Iterator, Mapping, Protocol, runtime_checkable
 
 from ..config import Config
 from ..errors import DataError
@@ -21,9 +21,15 @@ def check_vocab(batch: dict, vocab_size: int, step: int) -> None:
 @runtime_checkable
 class TrainLoader(Protocol):
     """The training loader as the loop uses it: batches in order, and its position, saved in every checkpoint and
-    restored when replica groups retry a step (data.loader's loaders; `consumed_tokens_per_type()` is optional)."""
+    restored when replica groups retry a step, and what the training metric names and counts per dataset type
+    (data.loader's `TrainLoader` and data.streaming's `StreamingLoader` both implement all of it)."""
 
     def __iter__(self) -> Iterator[dict]: ...
+
+    @property
+    def type_names(self) -> Mapping[int, str]: ...  # dataset type id -> name (acc/{name}, loss/{name})
+
+    def consumed_tokens_per_type(self) -> Mapping[str, int]: ...  # all ranks' tokens of each type so far
 
     def state_dict(self) -> dict: ...
 

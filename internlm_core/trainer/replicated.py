@@ -15,10 +15,11 @@ parts of `Trainer.train` that exist only with replica groups, each called by the
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Optional
 
 import torch
 
+from ..checkpoint import CheckpointManager
 from ..config import Config
 from ..distributed import LaunchInfo
 from ..parallel.fault_tolerance import HealState, ReplicaGroups, build_replica_groups
@@ -80,7 +81,7 @@ def commit(replicas: ReplicaGroups, model: torch.nn.Module, optimizer: torch.opt
     return False
 
 
-def build_replicas(cfg: Config, launch: LaunchInfo, ckpt: Any, state: TrainState) -> Optional[ReplicaGroups]:
+def build_replicas(cfg: Config, launch: LaunchInfo, ckpt: CheckpointManager, state: TrainState) -> Optional[ReplicaGroups]:
     """This rank's part of the replica groups (None unless `parallel.fault_tolerance.enable`), after the resume: a
     healing group receives what a checkpoint holds (the manager's registry: model, optimizer, every Stateful)."""
     if not cfg.parallel.fault_tolerance.enable or launch.launcher == "simulate":

@@ -305,8 +305,8 @@ class Trainer:
                    "adam_beta2": self.optimizer.param_groups[0]["betas"][1]}
         if self.grad_scaler is not None:
             metrics["loss_scale"] = self.grad_scaler.scale
-        per_type = getattr(self.train_loader, "consumed_tokens_per_type", None)  # all ranks' tokens of each type so far
-        metrics.update(self.metric_hook.step_metrics(per_type() if per_type else {}, v.metric_sums))
+        per_type = self.train_loader.consumed_tokens_per_type()  # all ranks' tokens of each type so far
+        metrics.update(self.metric_hook.step_metrics(per_type, v.metric_sums))
         if self.comm is not None:
             metrics.update(self.comm.pop())
         if self.context is not None:

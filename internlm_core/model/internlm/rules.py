@@ -19,7 +19,7 @@ def refuse_keys(section: Any, name: str, keys: Mapping[str, Any], model_type: st
     """ConfigError for a key of `keys` set to other than its default in `section` (`name`: "model", "moe"): a
     key `model_type` does not read, which only `owner` does."""
     for key, default in keys.items():
-        value = getattr(section, key, default)  # the typed field named by `key`
+        value = getattr(section, key)  # the typed field named by `key` (every key of `keys` is one)
         if value != default:
             raise ConfigError(f"{name}.{key}={value!r}: model_type {model_type} has no such option ({owner} "
                               f"reads it); leave it at {default!r}")

@@ -86,8 +86,8 @@ class LayerMix:
 
 
 def layer_mix_of(m: Any) -> LayerMix:
-    """The LayerMix of a `model` config section (duck-typed; None values are the defaults)."""
-    k, step, only = (getattr(m, key, None) for key in MIX_KEYS)
+    """The LayerMix of a `model` config section (its typed fields MIX_KEYS; None values are the defaults)."""
+    k, step, only = (getattr(m, key) for key in MIX_KEYS)
     return LayerMix(first_k_dense_replace=0 if k is None else _int(k, "first_k_dense_replace"),
                     decoder_sparse_step=1 if step is None else _int(step, "decoder_sparse_step"),
                     mlp_only_layers=_indices(only or ()))
