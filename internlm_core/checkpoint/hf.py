@@ -80,6 +80,17 @@ def config_from_hf(hf_dir: str | os.PathLike, model_type: Optional[str] = None) 
 HARMLESS = (".rotary_emb.inv_freq",)  # buffers older transformers saved: recomputed from rope_theta on both sides
 
 
+def empty_tensor(path: Path, name: str) -> bool:
+    """Whether the folder's tensor `name` (in safetensors file `path`) has no element: it holds no weight, so the
+    model is the same without it (DeepseekV3's shared experts of width 0 where n_shared_experts is 0)."""
+    if Path(path).suffix != ".safetensors":
+        return False
+    from safetensors import safe_open
+
+    with safe_open(str(path), framework="pt") as f:
+        return 0 in f.get_slice(name).get_shape()
+
+
 def check_hf_model(args: Any, keys: Mapping[str, Any], c: Mapping[str, Any], where: str,
                    keep: tuple[str, ...] = ()) -> None:
     """CheckpointError (one line naming both sides) when a built model (its ModelArgs) differs from the folder's
@@ -127,7 +138,7 @@ def load_hf(model: torch.nn.Module, hf_dir: str | os.PathLike, model_type: Optio
     def unread(metas: dict[str, torch.Tensor]) -> str:
         wanted = set(names_of(metas))
         left = [f for f in available() if f not in wanted and not f.endswith(HARMLESS)
-                and not (fp8 and fp8_blocks.is_scale_of(f, wanted))]
+                and not (fp8 and fp8_blocks.is_scale_of(f, wanted)) and not empty_tensor(available()[f], f)]
         if not left:
             return ""
         return (f"{hf_dir}: {len(left)} tensor(s) of the folder that nothing in the {model_type or 'built'} model "

@@ -235,3 +235,29 @@ def test_folder_keys_taken_into_the_run_and_a_conflict_refused(tmp_path):
     assert (r.score_func, r.num_expert_groups, r.top_k_groups, r.routed_scaling_factor) == ("sigmoid", 4, 2, 2.5)
     with pytest.raises(ConfigError, match="kv_lora_rank=16 vs model.kv_lora_rank=8"):
         load_config(str(conf), ["model.kv_lora_rank=8"])
+
+
+@pytest.mark.parametrize("case", ["keys_left_out", "no_shared_experts"])
+def test_folders_read_as_transformers_reads_them(tmp_path, case):
+    """A config.json without n_group / topk_group / first_k_dense_replace / n_shared_experts means
+    DeepseekV3Config's defaults (8, 4, 3, 1; read as 1, 1, 0, 0 before: 8 groups silently became one); a folder of
+    n_shared_experts 0 holds zero-width shared experts, which hold no weight and load (refused before)."""
+    shape = dict(V3, n_routed_experts=16, n_group=8, topk_group=4, num_hidden_layers=4, first_k_dense_replace=3,
+                 n_shared_experts=1) if case == "keys_left_out" else dict(V3, n_shared_experts=0)
+    hf = hf_model(shape)
+    hf.save_pretrained(tmp_path / "hf")
+    if case == "keys_left_out":
+        conf = json.loads((tmp_path / "hf" / "config.json").read_text())
+        for key in ("n_group", "topk_group", "first_k_dense_replace", "n_shared_experts"):
+            del conf[key]
+        (tmp_path / "hf" / "config.json").write_text(json.dumps(conf))
+    cfg, model = ours_for(tmp_path / "hf")
+    assert (cfg.moe.num_expert_groups, cfg.moe.top_k_groups, cfg.model.first_k_dense_replace,
+            cfg.model.num_shared_experts) == ((8, 4, 3, 1) if case == "keys_left_out" else (4, 2, 1, 0))
+    load_hf(model, tmp_path / "hf")
+    reference = logits(transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf", dtype=torch.float32).eval(),
+                       hf=True)
+    assert (logits(model.eval()) - reference).abs().max().item() <= 1e-4
+    export_hf(tmp_path / "out", cfg, model.state_dict(), tokenizer=None)
+    back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out", dtype=torch.float32).eval()
+    assert (logits(back, hf=True) - reference).abs().max().item() <= 1e-4

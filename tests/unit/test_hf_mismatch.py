@@ -180,3 +180,24 @@ def test_a_window_on_some_layers_is_refused_where_the_class_cannot_hold_it(tmp_p
     cfg, model = ours(tmp_path, "QWEN3_MoE", extra=("model.sliding_window=8", "model.window_layers=[1]"))
     line = refusal(lambda: export_hf(tmp_path / "out", cfg, model.state_dict(), tokenizer=None))
     assert line.startswith("model.window_layers=[1]: Qwen3MoeForCausalLM has no such option")
+
+
+@pytest.mark.parametrize("cls,model_type,kw", [
+    ("Mixtral", "MIXTRAL", dict(num_local_experts=4)),  # MixtralConfig: rms_norm_eps 1e-5, rope_theta 1e6
+    ("Mistral", "MISTRAL", dict(sliding_window=8)),  # MistralConfig: sliding_window 4096
+])
+def test_keys_config_json_leaves_out_are_the_classes_defaults(tmp_path, cls, model_type, kw):
+    """A config.json without rms_norm_eps / rope_theta / sliding_window means what transformers' class defaults
+    to, not Llama's (a Mixtral folder without them loaded with eps 1e-6 and theta 1e4: logits off by 0.2)."""
+    save_hf(tmp_path, cls, **kw)
+    conf = json.loads((tmp_path / "config.json").read_text())
+    for key in ("rms_norm_eps", "rope_parameters", "rope_theta", "sliding_window"):
+        conf.pop(key, None)
+    (tmp_path / "config.json").write_text(json.dumps(conf))
+    hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32).eval()
+    keys = config_from_hf(tmp_path)
+    assert (keys["layer_norm_epsilon"], keys["rope_base"], keys["sliding_window"]) == \
+        (hf.config.rms_norm_eps, hf.config.rope_parameters["rope_theta"], hf.config.sliding_window)
+    _, model = ours(tmp_path, model_type)
+    load_hf(model, tmp_path)
+    assert diff(model, hf) <= 1e-4

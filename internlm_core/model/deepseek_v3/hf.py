@@ -202,7 +202,9 @@ def _int_key(c: Mapping, key: str, where: str, default: Any = None) -> Any:
 
 
 def config_from_deepseek(c: Mapping, where: str = "config.json") -> dict:
-    """Our keys of a DeepseekV3 config.json: `model` keys and DeepSeek's routing (dotted `moe.*`)."""
+    """Our keys of a DeepseekV3 config.json: `model` keys and DeepSeek's routing (dotted `moe.*`). A key the file
+    leaves out is transformers' DeepseekV3Config default (n_group 8, topk_group 4, first_k_dense_replace 3,
+    n_shared_experts 1, ...), as the class reads the folder."""
     _refuse_folder_options(c, where)
     heads = int(_get(c, "num_attention_heads", where))
     out = {"num_layers": int(_get(c, "num_hidden_layers", where)), "hidden_size": int(_get(c, "hidden_size", where)),
@@ -217,12 +219,13 @@ def config_from_deepseek(c: Mapping, where: str = "config.json") -> dict:
     out.update(num_experts=int(c.get("n_routed_experts", c.get("num_local_experts", 256))),
                top_k=int(c.get("num_experts_per_tok") or 8), moe_type="Dropless",
                moe_intermediate_size=int(_get(c, "moe_intermediate_size", where)),
-               num_shared_experts=int(c.get("n_shared_experts") or 0),
-               first_k_dense_replace=int(c.get("first_k_dense_replace") or 0), decoder_sparse_step=1,
+               num_shared_experts=int(c.get("n_shared_experts", 1) or 0),
+               first_k_dense_replace=int(c.get("first_k_dense_replace", 3) or 0), decoder_sparse_step=1,
                mlp_only_layers=[])
     out.update({"moe.score_func": "sigmoid", "moe.noisy_gate_policy": None,
                 "moe.norm_topk_prob": bool(c.get("norm_topk_prob", True)),
-                "moe.num_expert_groups": int(c.get("n_group") or 1), "moe.top_k_groups": int(c.get("topk_group") or 1),
+                "moe.num_expert_groups": int(c.get("n_group", 8) or 1),
+                "moe.top_k_groups": int(c.get("topk_group", 4) or 1),
                 "moe.routed_scaling_factor": float(c.get("routed_scaling_factor", 2.5))})
     # model.mtp: num_nextn_predict_layers depths when the folder holds their layers (else the main model alone)
     depth = int(c.get("num_nextn_predict_layers") or 0)

@@ -112,19 +112,25 @@ def config_from_mixtral(c: Mapping, where: str = "config.json") -> dict:
     experts' width `intermediate_size` is model.moe_intermediate_size) and the routing of MixtralSparseMoeBlock
     (`moe.*`: softmax, renormalized top-k, no noise, no expert bias). A nonzero router_jitter_noise (transformers
     scales the whole MoE input, experts included, by U(1-j, 1+j) in training; our Jitter scales the router's input
-    by a fixed 1e-2) is refused."""
+    by a fixed 1e-2) is refused. A key config.json leaves out is transformers' MixtralConfig default
+    (MIXTRAL_DEFAULTS: rms_norm_eps 1e-5, rope_theta 1e6, not Llama's)."""
     jitter = float(c.get("router_jitter_noise") or 0.0)
     if jitter:
         raise CheckpointError(f"{where}: router_jitter_noise={jitter}: Mixtral's jitter scales the experts' input "
                               "too, which internlm-core's routers do not (moe.noisy_gate_policy Jitter scales the "
                               "router's input by U(0.99, 1.01)); set it to 0.0 in config.json to load the folder")
-    out = config_from_llama({**c, "attention_bias": False}, where)
+    out = config_from_llama({**MIXTRAL_DEFAULTS, **{k: v for k, v in c.items() if v is not None},
+                             "attention_bias": False}, where)
     out["sliding_window"] = int(c["sliding_window"]) if c.get("sliding_window") else None
     out.update(num_experts=int(c.get("num_local_experts", 8)), top_k=int(c.get("num_experts_per_tok", 2)),
                moe_type="Dropless", moe_intermediate_size=out.pop("intermediate_size"))
     out.update(MIXTRAL_ROUTING, **{"moe.norm_topk_prob": True})
     out.update(ALL_MOE)  # every layer MoE
     return out
+
+
+# transformers' MixtralConfig defaults that differ from LlamaConfig's (what a config.json without the key means)
+MIXTRAL_DEFAULTS = {"rms_norm_eps": 1e-5, "rope_theta": 1e6}
 
 
 # the router of Mixtral's and Qwen3-MoE's HF classes, in our moe section's keys (compared on import)

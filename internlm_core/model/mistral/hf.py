@@ -24,14 +24,15 @@ def mistral_config(cfg: Any, torch_dtype: str = "float32",
 
 
 def config_from_mistral(c: Mapping, where: str = "config.json") -> dict:
-    """Our `model` keys of a Mistral config.json."""
+    """Our `model` keys of a Mistral config.json (without a `sliding_window` key: transformers' default 4096)."""
     if c.get("layer_types"):
         raise CheckpointError(f"{where}: layer_types (alternating attention, Ministral's): internlm-core's "
                               "sliding window covers every layer")
     out = _shape_keys(c, where)
     out.update(qkv_bias=False, **rope_from_config(c, where))
-    if c.get("sliding_window"):
-        out["sliding_window"] = int(c["sliding_window"])
+    window = c.get("sliding_window", 4096)  # transformers' MistralConfig default (Mistral 7B v0.1's); null: none
+    if window:
+        out["sliding_window"] = int(window)
     return out
 
 
