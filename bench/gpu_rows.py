@@ -25,6 +25,7 @@ import torch.nn.functional as F
 from gpu_rows_varlen import row_varlen_contract
 from gpu_rows_offload import row_offload
 from gpu_rows_fp8 import row_fp8_speed
+from gpu_rows_fused_head import row_fused_head
 from gpu_rows_numerics import (compare_attention, row_context_mixed_dtypes, row_moe_grouped_sync,
                                row_norm_autocast, row_torch_api_test)
 from gpu_rows_speed import row_speed_compiled, row_speed_eager
@@ -398,4 +399,5 @@ ROWS = [
     Row("torch API scan test (pytest -q)", row_torch_api_test, 60),
     Row("varlen kernel vs CPU contract", row_varlen_contract, 30),
     Row("model.fp8 tensorwise vs bf16 tokens/s", row_fp8_speed, 40),
+    Row("fused head vs unfused: peak, syncs, grads", row_fused_head, 30),
 ]

@@ -4,9 +4,11 @@ cut-cross-entropy's design): the [tokens, vocab] logits never exist whole.
 Forward, per chunk of rows: logits = hidden @ weight^T (the chunk's only), their max, sum of exponentials, the
 label's logit and the sum over the vocabulary (label smoothing), reduced over the tensor-parallel group when the
 weight holds a shard of the vocabulary (`group`, `vocab_start`); then each token's log-sum-exp (kept: 4 bytes a
-token), loss and argmax. Backward recomputes each chunk's logits from the kept hidden states and weight, turns them
-into the logits' gradient, (1 + 2 z lse) softmax - (1 - e) one_hot - e / V, times the token's incoming gradient,
-and accumulates the hidden states' and the weight's gradients from it (the hidden's summed over the group).
+token), loss and argmax. Backward goes chunk by chunk over the vocabulary instead: it recomputes the logits of a
+chunk of vocabulary rows for every token from the kept hidden states and weight, turns them into the logits'
+gradient, (1 + 2 z lse) softmax - (1 - e) one_hot - e / V, times the token's incoming gradient, and from it writes
+those rows' weight gradient whole (one matmul over all tokens, in the weight's compute dtype: no fp32 accumulator of
+the weight's size) and adds to the hidden states' gradient (fp32, tokens x hidden; summed over the group).
 
 Per-token loss: (1 - e) (lse - x_label) + e (lse - mean_v x_v) + z lse^2 (e: label smoothing; z: z-loss, PaLM's),
 0 where the label is -100. The metrics get the plain cross entropy (lse - x_label) and the argmax.
@@ -32,6 +34,11 @@ CHUNK_BYTES = {"cpu": 8 << 20, "cuda": 512 << 20}
 def chunk_rows(vocab: int, device: torch.device) -> int:
     """Rows of one chunk for a (local) vocabulary of `vocab`."""
     return max(1, CHUNK_BYTES.get(device.type, CHUNK_BYTES["cuda"]) // (4 * vocab))
+
+
+def chunk_cols(tokens: int, device: torch.device) -> int:
+    """Vocabulary rows of one backward chunk over `tokens` tokens (the same bytes as a forward chunk)."""
+    return max(1, CHUNK_BYTES.get(device.type, CHUNK_BYTES["cuda"]) // (4 * tokens))
 
 
 def _all_reduce(t: torch.Tensor, group: Optional[dist.ProcessGroup], op=dist.ReduceOp.SUM) -> torch.Tensor:
@@ -94,27 +101,31 @@ class FusedHeadCrossEntropy(torch.autograd.Function):
         g = torch.where(valid, grad_loss.float(), 0.0)
         scale = g * (1.0 + 2.0 * z_loss * lse)  # the softmax's factor per token
         rows_local = weight.shape[0]
-        grad_hidden = torch.empty_like(hidden) if ctx.needs_input_grad[0] else None
-        grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) \
-            if ctx.needs_input_grad[1] else None
-        step = chunk_rows(rows_local, hidden.device)
-        for s in range(0, hidden.shape[0], step):
-            e = min(s + step, hidden.shape[0])
-            x = hidden[s:e]
-            dz = (x @ w.t()).float().sub_(lse[s:e].unsqueeze(1)).exp_().mul_(scale[s:e].unsqueeze(1))
+        own = valid & (labels >= start) & (labels < start + rows_local)  # the label's row is this rank's
+        label_row = torch.where(own, labels - start, -1)
+        hit = (g * (1.0 - smoothing)).neg_()  # the one-hot's term, at the label's row
+        n = hidden.shape[0]
+        acc = torch.zeros(n, hidden.shape[1], dtype=torch.float32, device=hidden.device) \
+            if ctx.needs_input_grad[0] else None
+        grad_weight = torch.empty(weight.shape, dtype=w.dtype, device=w.device) if ctx.needs_input_grad[1] else None
+        step = chunk_cols(n, hidden.device)
+        for v0 in range(0, rows_local, step):
+            v1 = min(v0 + step, rows_local)
+            wc = w[v0:v1]
+            dz = (hidden @ wc.t()).float().sub_(lse.unsqueeze(1)).exp_().mul_(scale.unsqueeze(1))
             if smoothing:
-                dz.sub_((g[s:e] * smoothing / vocab).unsqueeze(1))
-            label = labels[s:e]
-            own = valid[s:e] & (label >= start) & (label < start + rows_local)
-            rows = torch.nonzero(own).squeeze(1)
-            dz[rows, label[rows] - start] -= g[s:e][rows] * (1.0 - smoothing)
+                dz.sub_((g * smoothing / vocab).unsqueeze(1))
+            inside = (label_row >= v0) & (label_row < v1)  # a scatter, not an index of the hits: no host sync
+            dz.scatter_add_(1, (label_row - v0).clamp_(0, v1 - v0 - 1).unsqueeze(1),
+                            torch.where(inside, hit, 0.0).unsqueeze(1))
             dz = dz.to(hidden.dtype)
-            if grad_hidden is not None:
-                grad_hidden[s:e] = dz @ w
-            if grad_weight is not None:
-                grad_weight.addmm_(dz.t().float(), x.float())
-        if grad_hidden is not None:
-            _all_reduce(grad_hidden, group)  # every rank's vocabulary rows contribute to each token's gradient
+            if acc is not None:
+                acc += dz @ wc
+            if grad_weight is not None:  # these vocabulary rows' gradient, whole: one matmul over every token
+                torch.mm(dz.t(), hidden, out=grad_weight[v0:v1])
+        grad_hidden = None
+        if acc is not None:
+            grad_hidden = _all_reduce(acc.to(hidden.dtype), group)  # every rank's vocabulary rows contribute
         if grad_weight is not None:
             grad_weight = grad_weight.to(weight.dtype)
         return grad_hidden, grad_weight, None, None, None, None, None, None

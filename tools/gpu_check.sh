@@ -19,7 +19,8 @@
 # (bench/gpu_rows_numerics.py) the context-parallel attention fed fp32 q/k and a bf16 v, one MoE micro-batch through
 # the grouped GEMM under set_sync_debug_mode (its host syncs counted and located), the norms' output dtype under CUDA
 # autocast, and the torch API scan test (tests/unit/test_torch_api*.py, pytest -q); the varlen kernel against its CPU
-# contract; model.fp8 tensorwise against bf16, tokens/s beside the estimator's predicted ratio (bench/gpu_rows_fp8.py).
+# contract; model.fp8 tensorwise against bf16, tokens/s beside the estimator's predicted ratio (bench/gpu_rows_fp8.py);
+# the fused head against the unfused one at vocabulary 152K: peak, host syncs, gradients (bench/gpu_rows_fused_head.py).
 # A 16-bit kernel is compared with an fp32 reference tensor by tensor: each of out, dq, dk, dv may be off by 2% of
 # its own max or 4x a 16-bit reference implementation's own error, whichever is larger (dv is ~5x the output: one
 # tolerance from the output's max failed two correct kernels); a wrong mask is off by 5-50x more.

@@ -7,7 +7,7 @@ from typing import Any, Optional
 
 import torch
 
-from ..fused_head import chunk_rows
+from ..fused_head import chunk_cols, chunk_rows
 from ..model.counts import ActivationContext, Term
 from .figures import Layout
 from .pipeline import pipeline_in_flight
@@ -72,15 +72,17 @@ def fused_forward_chunks(kernel: str, vocab: float, tokens: int, device: str, co
 
 def fused_head_transients(vocab: float, hidden: int, tokens: int, comp: int, weight_itemsize: int,
                           device: str) -> float:
-    """The fused head's (fused_head.py) buffers besides what it keeps: two fp32 chunks of logits (forward: the
-    logits and their exponentials; backward: the recomputed logits turned gradient and its cast), the weight's
-    fp32 gradient accumulator (returned as it is for fp32 weights, else cast to the weight's dtype) and the weight
-    cast to the compute dtype where it differs; `vocab`: on one device."""
-    rows = chunk_rows(int(vocab), torch.device(device))
+    """The fused head's (fused_head.py) buffers besides what it keeps: two fp32 chunks of logits (forward: a chunk
+    of tokens' logits and their exponentials; backward: a chunk of vocabulary rows' recomputed logits turned
+    gradient, and the next one's), the hidden states' fp32 gradient and a chunk's contribution to it, the weight's
+    gradient in the compute dtype (cast to the weight's dtype where it differs) and the weight cast to the compute
+    dtype where it differs; `vocab`: on one device."""
+    dev = torch.device(device)
+    chunk = max(min(chunk_rows(int(vocab), dev), tokens) * vocab, tokens * min(chunk_cols(tokens, dev), vocab))
     weight = vocab * hidden
     cast = comp * weight if weight_itemsize != comp else 0
-    returned = weight_itemsize * weight if weight_itemsize != 4 else 0
-    return 2 * 4 * min(rows, tokens) * vocab + 4 * weight + returned + cast
+    gradient = comp * weight + (weight_itemsize * weight if weight_itemsize != comp else 0)
+    return 2 * 4 * chunk + (4 + comp) * tokens * hidden + gradient + cast
 
 
 def token_bytes(figures: ModelFigures, args: Any, ctx: ActivationContext, lay: Layout, cross_entropy: str,

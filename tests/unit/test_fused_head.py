@@ -67,9 +67,10 @@ def test_peak_at_vocab_152k_is_lower_by_the_logits():
         peaks[name] = live.peak
     logits = 4 * tokens * vocab
     assert peaks["unfused"] - peaks["fused"] > logits, (peaks, logits)
-    # what is left: the weight's gradient (returned, and its fp32 accumulator) and a chunk's fp32 temporaries
+    # what is left: the weight's gradient (returned; no accumulator of its size), the hidden states' fp32 gradient
+    # and two chunks' fp32 temporaries (measured: 34.7 MiB = 18.5 + 0.1 + 2 x 8)
     weight = 4 * vocab * hidden
-    assert peaks["fused"] < 2 * weight + 2 * fused_head.CHUNK_BYTES["cpu"], (peaks, logits)
+    assert peaks["fused"] < weight + 2 * 4 * tokens * hidden + 2.5 * fused_head.CHUNK_BYTES["cpu"], (peaks, logits)
 
 
 def test_choice():
