@@ -46,7 +46,7 @@ def _folder_config(cfg: Any) -> tuple[Path, dict] | None:
 
 
 def _adapter(model_type: str, c: Mapping[str, Any]) -> Any:
-    """The family's adapter of the folder's class (None when the family reads no such class: the load refuses)."""
+    """The family's adapter of the folder's class (None when the family reads no such class: refused)."""
     archs = c.get("architectures") or []
     for ad in get_model_spec(model_type).adapters.values():
         if ad.format == "hf" and ((archs and archs[0] in ad.architectures) or
@@ -63,8 +63,13 @@ def adopt_hf_folder(cfg: Any, explicit: Iterable[str]) -> None:
         return
     path, c = found
     adapter = _adapter(cfg.model_type, c)
-    if adapter is None:
-        return
+    if adapter is None:  # refused here: the family's defaults would be built (and estimated) before the load says so
+        reads = [a for ad in get_model_spec(cfg.model_type).adapters.values() if ad.format == "hf"
+                 for a in ad.architectures]
+        raise ConfigError(f"ckpt.load_ckpt_info.path: {path} holds a "
+                          f"{(c.get('architectures') or [c.get('model_type')])[0]}; model_type {cfg.model_type} "
+                          f"reads {', '.join(dict.fromkeys(reads)) or 'no Hugging Face class'} (set the model_type "
+                          f"of the folder's class)")
     keys = adapter.config_from_foreign(c, str(path))
     keep = tuple(cfg.ckpt.load_ckpt_info.keep_run_keys)
     unknown = [k for k in keep if k not in {config_key(key) for key in keys}]

@@ -201,3 +201,13 @@ def test_keys_config_json_leaves_out_are_the_classes_defaults(tmp_path, cls, mod
     _, model = ours(tmp_path, model_type)
     load_hf(model, tmp_path)
     assert diff(model, hf) <= 1e-4
+
+
+def test_run_config_refuses_a_folder_of_another_class(tmp_path):
+    """A run whose model_type does not read the folder's class is refused when the config is loaded (before: the
+    family's default shape was built and estimated first, so the run stopped on a memory error, or loaded nothing
+    of the folder's config)."""
+    save_hf(tmp_path, "Qwen2")
+    line = refusal(lambda: run_config(tmp_path, "LLAMA", {}))
+    assert line.endswith(f"ckpt.load_ckpt_info.path: {tmp_path}/config.json holds a Qwen2ForCausalLM; model_type "
+                         "LLAMA reads LlamaForCausalLM (set the model_type of the folder's class)")
