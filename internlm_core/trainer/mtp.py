@@ -56,8 +56,8 @@ class MTPLoss:
         """Micro-batch `i` of `batch` (`mb`: its whole rows [rows, T] and cu_seqlens, on the host) with its depths'
         `mtp_ids` and `mtp_labels` [rows, T, D]. At i = 0 the step's targets of every micro-batch are made and each
         depth's normalizer counted from them (before the first backward, as the main loss's)."""
-        if i == 0:
-            self._step = []
+        if i == 0:  # a new step, or a retry of one the replica groups did not commit: its terms count anew
+            self._step, self._totals = [], None
             for j in range(batch["input_ids"].shape[0]):
                 rows = batch["input_ids"][j].numel() // seq_len
                 ids, labels = batch["input_ids"][j].view(rows, seq_len), batch["labels"][j].view(rows, seq_len)
