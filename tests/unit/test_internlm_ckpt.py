@@ -17,7 +17,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from internlm_core.checkpoint.hf import export_hf, load_hf
+from internlm_core.checkpoint.hf import config_from_hf, export_hf, load_hf
 from internlm_core.checkpoint.internlm_format import load_internlm, read_internlm_folder, write_internlm_folder
 from internlm_core.checkpoint.safetensors_io import read_hf_tensors
 from internlm_core.config import load_config
@@ -335,3 +335,27 @@ def test_convert2internlm_cli_from_a_training_checkpoint(tmp_path, capsys):
     back = build_model(cfg)
     load_internlm(back, tmp_path / "out", "INTERNLM")
     assert all(torch.equal(back.state_dict()[k], v) for k, v in model.state_dict().items())
+
+
+def test_hf_internlm2_folder_without_bias_key_has_bias(tmp_path):
+    """InternLM2Config's `bias` defaults to true (its remote code: wqkv and wo with bias): a config.json without the
+    key is read with qkv_bias and its bias tensors load (before: read as false, the biases refused as leftovers)."""
+    g = torch.Generator().manual_seed(7)
+    H, V, I, L, nh, nkv = 64, 96, 160, 1, 4, 2
+    r = lambda *s: torch.randn(*s, generator=g) * 0.1  # noqa: E731
+    p = "model.layers.0."
+    t = {"model.tok_embeddings.weight": r(V, H), "model.norm.weight": 1 + r(H), "output.weight": r(V, H),
+         p + "attention_norm.weight": 1 + r(H), p + "ffn_norm.weight": 1 + r(H),
+         p + "attention.wqkv.weight": r((nh + 2 * nkv) * 16, H), p + "attention.wqkv.bias": r((nh + 2 * nkv) * 16),
+         p + "attention.wo.weight": r(H, H), p + "attention.wo.bias": r(H), p + "feed_forward.w1.weight": r(I, H),
+         p + "feed_forward.w3.weight": r(I, H), p + "feed_forward.w2.weight": r(H, I)}
+    c = {"architectures": ["InternLM2ForCausalLM"], "model_type": "internlm2", "vocab_size": V, "hidden_size": H,
+         "intermediate_size": I, "num_hidden_layers": L, "num_attention_heads": nh, "num_key_value_heads": nkv,
+         "rms_norm_eps": 1e-6}
+    write_hf(tmp_path, t, c)
+    keys = config_from_hf(tmp_path, "INTERNLM2")
+    assert keys["qkv_bias"] is True
+    model = build_model(tiny("INTERNLM2", *[f"model.{k}={v!r}" for k, v in keys.items()]))
+    load_hf(model, tmp_path, "INTERNLM2")
+    wo_bias = dict(model.named_parameters())["layers.0.attention.wo.bias"]
+    assert torch.equal(wo_bias.detach(), t[p + "attention.wo.bias"])

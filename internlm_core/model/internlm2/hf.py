@@ -160,8 +160,10 @@ def internlm2_config(cfg: Any, torch_dtype: str = "float32",
 
 
 def config_from_internlm2(c: Mapping, where: str = "config.json") -> dict:
+    """Our `model` keys of an InternLM2ForCausalLM config.json (`bias` on wqkv and wo: InternLM2Config's default
+    true where the key is left out; the published folders say false)."""
     out = _shape_keys(c, where)
-    out["qkv_bias"] = bool(c.get("bias", False))
+    out["qkv_bias"] = bool(c.get("bias", True))
     out.update(rope_from_config(c, where))  # InternLM2's {type: linear | dynamic, factor}
     return out
 
