@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import logging
+import threading
 from pathlib import Path
 
 import pytest
@@ -35,6 +36,8 @@ def s3(monkeypatch):
     client.create_bucket(Bucket=BUCKET)
     box = {"server": server, "port": port, "client": client}
     yield box
+    # every trainer gave its folder's lease back: no heartbeat thread retries against a server that is gone
+    assert not [t for t in threading.enumerate() if t.name == "internlm_core-lease" and t.is_alive()]
     box["server"].stop()
 
 
@@ -69,6 +72,7 @@ def test_upload_then_resume_from_s3(tmp_path, s3, caplog):
         assert torch.equal(params(b)[name], t), name
     assert not list((tmp_path / "stage/download").glob("*"))  # the download cache is removed after loading
     assert SECRET not in caplog.text
+    b.checkpoint_manager.close()  # gives the lease back: no heartbeat thread outlives the test
 
 
 def test_incomplete_remote_checkpoint_is_ignored(tmp_path, s3):
@@ -80,6 +84,7 @@ def test_incomplete_remote_checkpoint_is_ignored(tmp_path, s3):
     assert latest_checkpoint(dest).name == "2"
     b = s3_build(tmp_path, "b", 4, "ckpt.checkpoint_every=2")
     assert b.checkpoint_manager.loaded.step == 2
+    b.checkpoint_manager.close()
 
 
 def test_failed_upload_is_retried_reported_and_keeps_the_last_good_one(tmp_path, s3, caplog):
@@ -108,3 +113,4 @@ def test_failed_upload_is_retried_reported_and_keeps_the_last_good_one(tmp_path,
     c = s3_build(tmp_path, "c", 4)
     assert c.checkpoint_manager.loaded.step == 2
     assert SECRET not in caplog.text
+    c.checkpoint_manager.close()
