@@ -58,7 +58,7 @@ def stack_micro_batches(mbs: list[dict]) -> dict:
     document ids instead of one cu_seqlens per micro-batch (under context parallel the chunk's own ids, which its
     cut made), and `loss_shares`: each micro-batch's context-parallel loss share in order (fp32 on the host, 1.0
     without CP; micro_batch_mean's factor, loss_norm.py), which the criterion looks up by the index the
-    micro-batch's target carries (`micro_batch_target`)."""
+    micro-batch's target carries (`micro_batch_target`); with model.mtp also `mtp_shares`, each depth's share."""
     out = {k: torch.cat([mb[k] for mb in mbs]) for k in ("input_ids", "labels", "position_ids", "type_ids")
            + tuple(k for k in ("mtp_ids", "mtp_labels") if k in mbs[0])}  # model.mtp: its depths' ids and labels
     # kept on the host, where the model reads the attention layout without waiting for the device
@@ -67,6 +67,10 @@ def stack_micro_batches(mbs: list[dict]) -> dict:
                                      for mb in mbs])
     out["loss_shares"] = torch.tensor([mb.get("loss_share", 1.0) for mb in mbs], dtype=torch.float32,
                                       device="cpu")
+    if "mtp_labels" in mbs[0]:  # model.mtp: each depth's context share per micro-batch, [micro_num, D], as above
+        depth = mbs[0]["mtp_labels"].shape[-1]
+        out["mtp_shares"] = torch.tensor([mb.get("mtp_shares", [1.0] * depth) for mb in mbs], dtype=torch.float32,
+                                         device="cpu")
     return out
 
 

@@ -30,6 +30,7 @@ from ..model import document_ids_from_cu_seqlens
 from ..model.mtp import (MTP_KEYS, MultiTokenPrediction, model_extras, mtp_module, mtp_settings, mtp_targets,
                          pop_mtp_logits)
 from ..utils import collectives
+from ..utils.transfer import to_device
 
 __all__ = ["MTP_KEYS", "MTPLoss", "build_mtp_loss", "check_family_mtp", "model_extras"]
 
@@ -69,10 +70,11 @@ class MTPLoss:
         ids, labels = self._step[i]
         return {**mb, "mtp_ids": ids, "mtp_labels": labels}
 
-    def term(self, norm: LossNormalizer, labels: torch.Tensor, shares: Optional[Sequence[float]] = None) -> torch.Tensor:
+    def term(self, norm: LossNormalizer, labels: torch.Tensor,
+             shares: Optional[Sequence[float] | torch.Tensor] = None) -> torch.Tensor:
         """What the depths add to the main loss's term before its backward (module docstring), for the depths'
-        logits of the forward just run (`labels` [.., D] their targets; `shares` each depth's context share, or
-        None); 0 when that forward ran no depth. Its value counts towards `mtp_loss`."""
+        logits of the forward just run (`labels` [.., D] their targets; `shares` each depth's context share, a
+        list or a [D] device tensor, or None); 0 when that forward ran no depth. Its value counts towards `mtp_loss`."""
         logits = pop_mtp_logits(self.module)
         if not logits:
             return torch.zeros((), device=self.device)
@@ -86,15 +88,17 @@ class MTPLoss:
 
     def term_at(self, norm: LossNormalizer, stacked: dict, index: torch.Tensor) -> torch.Tensor:
         """`term` of pipeline micro-batch `index` (a 0-dim device tensor: no host read) of the step's stacked
-        micro-batches (parallel.pipeline.stack_micro_batches: `mtp_labels` [micro_num * rows, T, D] on the device);
-        no context shares (the config refuses context with pipeline parallel). torch's metadata inference (a
-        forward and backward of the first micro-batch on torch 2.13, whose gradients are discarded) leaves its
-        depths' logits pending without a term: the next forward of the last stage replaces them."""
+        micro-batches (parallel.pipeline.stack_micro_batches: `mtp_labels` [micro_num * rows, T, D] on the device,
+        `mtp_shares` [micro_num, D] each depth's context share, copied to the device at the first call). torch's
+        metadata inference (a forward and backward of the first micro-batch on torch 2.13, whose gradients are
+        discarded) leaves its depths' logits pending without a term: the next forward of the last stage replaces
+        them."""
         if self.module is None:
             return torch.zeros((), device=self.device)
-        labels = stacked["mtp_labels"]
+        labels, at = stacked["mtp_labels"], index.reshape(1).long()
         labels = labels.view(norm.micro_num, -1, *labels.shape[1:])
-        return self.term(norm, labels.index_select(0, index.reshape(1).long())[0])
+        shares = stacked["mtp_shares"] = to_device(stacked["mtp_shares"], self.device)  # once per step
+        return self.term(norm, labels.index_select(0, at)[0], shares.index_select(0, at)[0])
 
     def step_metrics(self, dims: ParallelDims) -> dict[str, float]:
         """{"mtp_loss": the step's (1 / D) * sum_k L_k}, reduced over "pp_dp" as the loss (every rank calls)."""

@@ -278,3 +278,35 @@ def test_depths_round_trip_through_deepseeks_hf_layout():
     with pytest.raises(CheckpointError, match=r"^model.layers.3.shared_head.head.weight differs from lm_head.weight"):
         mtp_from_hf({k: v for k, v in hf.items() if is_mtp_layer(k, args)}, args,
                     lambda block: {llama_to_ours_name(k): v for k, v in block.items()}, hf)
+
+
+def test_the_pipeline_gives_a_context_chunks_depths_their_shares():
+    """micro_batch_mean under pipeline x context parallel: the pipeline's term of a context chunk (looked up by the
+    micro-batch's index in the stacked micro-batches) is the plain loop's, each depth weighted by its share of its
+    counted targets (before, the pipeline dropped the shares: mtp_loss cp times too large under pp2 x cp2)."""
+    from types import SimpleNamespace
+
+    from internlm_core.loss import FlashGPTLMLoss
+    from internlm_core.loss_norm import LossNormalizer
+    from internlm_core.parallel.pipeline import stack_micro_batches
+    from internlm_core.trainer.mtp import MTPLoss
+
+    rows = [packed_row(seed) for seed in (0, 1)]
+    batch = {"input_ids": torch.stack([r[0].flatten() for r in rows]),
+             "labels": torch.stack([r[1].flatten() for r in rows]), "cu_seqlens": [r[3] for r in rows]}
+    dims = SimpleNamespace(dp=1, cp=2, group=lambda name: None)
+    module = SimpleNamespace(pending=[])
+    loss = MTPLoss(DEPTH, 0.5, FlashGPTLMLoss("torch"), module, "micro_batch_mean", dims, torch.device("cpu"))
+    cut = ContextCut(2, 1)
+    chunks = [cut(loss.targets(batch, i, {"input_ids": ids, "labels": labels, "position_ids": pos,
+                                          "type_ids": torch.zeros_like(ids), "cu_seqlens": cu}, 32))
+              for i, (ids, labels, pos, cu, _) in enumerate(rows)]
+    stacked, norm = stack_micro_batches(chunks), LossNormalizer(2, 1, 2, "micro_batch_mean")
+    g = torch.Generator().manual_seed(5)
+    for i, chunk in enumerate(chunks):
+        assert all(0 < s < 1 for s in chunk["mtp_shares"])
+        logits = [torch.randn(2, 16, 61, generator=g) for _ in range(DEPTH)]
+        module.pending = list(logits)
+        plain = loss.term(norm, chunk["mtp_labels"], chunk["mtp_shares"])
+        module.pending = list(logits)
+        assert torch.allclose(loss.term_at(norm, stacked, torch.tensor(i)), plain, rtol=1e-6, atol=0)
