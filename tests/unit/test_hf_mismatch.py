@@ -185,6 +185,8 @@ def test_a_window_on_some_layers_is_refused_where_the_class_cannot_hold_it(tmp_p
 @pytest.mark.parametrize("cls,model_type,kw", [
     ("Mixtral", "MIXTRAL", dict(num_local_experts=4)),  # MixtralConfig: rms_norm_eps 1e-5, rope_theta 1e6
     ("Mistral", "MISTRAL", dict(sliding_window=8)),  # MistralConfig: sliding_window 4096
+    ("Qwen2", "QWEN2", dict(use_sliding_window=True, sliding_window=8, max_window_layers=0)),  # Qwen2Config: 4096
+    ("Qwen3Moe", "QWEN3_MoE", dict(MOE, num_experts=4, moe_intermediate_size=32, use_sliding_window=True)),
 ])
 def test_keys_config_json_leaves_out_are_the_classes_defaults(tmp_path, cls, model_type, kw):
     """A config.json without rms_norm_eps / rope_theta / sliding_window means what transformers' class defaults

@@ -34,8 +34,9 @@ def window_config(m: Any) -> dict:
 def window_from_config(c: Mapping, where: str) -> dict:
     """`sliding_window` and `window_layers` (the sliding layers, None for every layer) of Qwen's keys, as
     transformers' Qwen2Config / Qwen3Config apply them: `layer_types`, else layers from `max_window_layers` on
-    slide when `use_sliding_window` (max_window_layers >= num_hidden_layers: no window)."""
-    window = c.get("sliding_window") if c.get("use_sliding_window") else None
+    slide when `use_sliding_window` (max_window_layers >= num_hidden_layers: no window; without a sliding_window
+    key: the classes' default 4096)."""
+    window = c.get("sliding_window", 4096) if c.get("use_sliding_window") else None  # the classes' default
     layers = int(c.get("num_hidden_layers", 0))
     types = c.get("layer_types") or ["sliding_attention" if i >= int(c.get("max_window_layers", 28)) else
                                      "full_attention" for i in range(layers)]
