@@ -19,7 +19,7 @@ from typing import Optional
 
 import torch
 
-from ..checkpoint import CheckpointManager
+from ..checkpoint import CheckpointManager, RNGState
 from ..config import Config
 from ..distributed import LaunchInfo
 from ..parallel.fault_tolerance import HealState, ReplicaGroups, build_replica_groups
@@ -36,15 +36,18 @@ NOT_HEALED = ("trackers",)
 
 @dataclass(frozen=True)
 class Attempt:
-    """The loop's progress and the loader's position before a step's batch: what a retried step goes back to."""
+    """The loop's progress, the loader's position and the random generators before a step's batch: what a retried
+    step goes back to (a router's noise, e.g. moe.noisy_gate_policy, draws again what the dropped attempt drew)."""
 
     progress: dict
     position: dict
+    rng: dict
 
     def restore(self, state: TrainState, loader: TrainLoader) -> None:
-        """Back to before the batch, so that the same batch comes again."""
+        """Back to before the batch, so that the same batch comes again, with the same random draws."""
         state.load_state_dict(self.progress)
         loader.load_state_dict(self.position)
+        RNGState().load_state_dict(self.rng)
 
 
 def begin_step(replicas: ReplicaGroups, state: TrainState, loader: TrainLoader, writer: MetricsWriter) -> Attempt:
@@ -52,7 +55,7 @@ def begin_step(replicas: ReplicaGroups, state: TrainState, loader: TrainLoader, 
     before = state.batch_count
     if replicas.begin_step():
         record_heal(replicas, writer, before, state.batch_count)
-    return Attempt(state.state_dict(), loader.state_dict())
+    return Attempt(state.state_dict(), loader.state_dict(), RNGState().state_dict())
 
 
 def record_heal(replicas: ReplicaGroups, writer: MetricsWriter, before: int, after: int) -> None:

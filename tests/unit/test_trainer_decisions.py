@@ -189,16 +189,19 @@ def test_a_step_the_replicas_did_not_commit_trains_the_same_batch_again(tmp_path
         assert torch.equal(a, b), name
 
 
-def test_a_retried_step_reports_the_metrics_of_one_attempt(tmp_path):
-    """Every value of a retried step's record is the plain run's, model.mtp's `mtp_loss` included (its depths' sums
-    of the dropped attempt counted twice before)."""
-    mtp = ("model.mtp={'depth': 2, 'loss_weight': 0.5}", "data.seq_len=64")
-    make(tmp_path, "plain", 3, *mtp).train()
-    retried = make(tmp_path, "retried", 3, *mtp)
+@pytest.mark.parametrize("sets", [
+    ("model.mtp={'depth': 2, 'loss_weight': 0.5}", "data.seq_len=64"),  # the dropped attempt's depth sums counted
+    ("model_type=INTERNLM_MoE", "model.num_experts=4", "moe.top_k=2", "moe.noisy_gate_policy=Jitter",
+     "data.seq_len=64")], ids=["mtp", "moe_noisy_router"])  # the retry drew other router noise than one attempt
+def test_a_retried_step_reports_the_metrics_of_one_attempt(tmp_path, sets):
+    """Every value of a retried step's record is the plain run's: model.mtp's `mtp_loss`, and a noisy MoE router's
+    loss, gradient norm and load metrics (the random generators go back with the batch)."""
+    make(tmp_path, "plain", 3, *sets).train()
+    retried = make(tmp_path, "retried", 3, *sets)
     retried.replicas = Replicas(refuse=2)  # the second step's first attempt is not committed
     retried.train()
     timing = ("time/", "step_time", "tgs", "tflops", "mfu", "ft/")
     plain, again = ([{k: v for k, v in r.items() if not k.startswith(timing)} for r in records(tmp_path, n)
                      if r["kind"] == "train"] for n in ("plain", "retried"))
-    assert retried.replicas.commits == 4 and "mtp_loss" in plain[1]
+    assert retried.replicas.commits == 4 and {"mtp_loss", "moe/aux_loss"} & set(plain[1])
     assert again == plain
