@@ -24,11 +24,15 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Optional
 
 from ..errors import ConfigError
 from ..utils.logging import get_logger
 from .manager import CheckpointManager
+
+if TYPE_CHECKING:
+    from ..config.schema import MonitorConfig
+    from ..monitor.loss_health import LossHealthMonitor
 
 logger = get_logger(__name__)
 
@@ -116,7 +120,8 @@ class SpikeRewinder:
         self.rewinds = max(self.rewinds, int(sd.get("rewinds", 0)))
 
 
-def build_spike_rewind(monitor_cfg: Any, manager: CheckpointManager, health: Any) -> Optional[SpikeRewinder]:
+def build_spike_rewind(monitor_cfg: MonitorConfig, manager: CheckpointManager,
+                       health: Optional[LossHealthMonitor]) -> Optional[SpikeRewinder]:
     """A SpikeRewinder from `cfg.monitor` (spike_rewind, spike_rewind_steps, max_rewinds); None when off. `health`:
     the loss health judge (its `spike_ratio` says what counts as a spike)."""
     if not monitor_cfg.spike_rewind:

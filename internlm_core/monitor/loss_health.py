@@ -27,12 +27,15 @@ one: an inf/nan streak, or (with `spikes`, while spikes are rewound) a spike str
 from __future__ import annotations
 
 import math
-from typing import Any, Mapping, Optional
+from typing import TYPE_CHECKING, Any, Mapping, Optional
 
 from internlm_core.errors import TrainingError
 from internlm_core.utils.logging import get_logger
 
 from .alert import AlertManager
+
+if TYPE_CHECKING:
+    from internlm_core.config.schema import MonitorConfig
 
 logger = get_logger(__name__)
 
@@ -181,7 +184,7 @@ class LossHealthMonitor:
 INTERNLM_LOSS_SPIKE_RATIO = 1.5  # InternLM's loss_spike_limit with alerts on
 
 
-def build_loss_health(monitor_cfg: Any, alerts: Optional[AlertManager] = None, rank: int = 0,
+def build_loss_health(monitor_cfg: MonitorConfig, alerts: Optional[AlertManager] = None, rank: int = 0,
                       **kwargs: Any) -> LossHealthMonitor:
     """A LossHealthMonitor from `cfg.monitor` (loss_spike_ratio, max_consecutive_inf_nan); an unset (None)
     loss_spike_ratio is InternLM's 1.5 when alerts go somewhere, else off."""

@@ -41,7 +41,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 from types import FrameType
-from typing import Any, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -50,6 +50,9 @@ from internlm_core.utils import collectives
 from internlm_core.utils.logging import get_logger
 
 from .alert import AlertManager
+
+if TYPE_CHECKING:
+    from internlm_core.config.schema import CkptConfig
 
 logger = get_logger(__name__)
 
@@ -206,7 +209,7 @@ class StopController:
         return StopDecision(save=True, stop=quit_, reason=f"stop file {self.stop_file_path}: {file_value}")
 
 
-def build_stop_controller(ckpt_cfg: Any, rank: int = 0, alerts: Optional[AlertManager] = None,
+def build_stop_controller(ckpt_cfg: CkptConfig, rank: int = 0, alerts: Optional[AlertManager] = None,
                           **kwargs: Any) -> StopController:
     """A StopController from `cfg.ckpt.stop_file_path`, handling SIGTERM and SIGUSR1."""
     return StopController(ckpt_cfg.stop_file_path, rank=rank, alerts=alerts, **kwargs)
