@@ -3,16 +3,22 @@
 from __future__ import annotations
 
 from ..errors import ConfigError
-from .schema import FaultToleranceConfig
+from .schema import FaultToleranceConfig, MonitorConfig
 
 _KEY = "parallel.fault_tolerance"
 
 
-def check_fault_tolerance(ft: FaultToleranceConfig) -> None:
-    """ConfigError naming the key for a value that cannot describe replica groups; nothing is checked while the
-    section is off (its defaults describe one group)."""
+def check_fault_tolerance(ft: FaultToleranceConfig, monitor: MonitorConfig) -> None:
+    """ConfigError naming the key for a value that cannot describe replica groups, or for what replica groups
+    cannot do (`monitor`: the spike rewind); nothing is checked while the section is off (its defaults describe
+    one group)."""
     if not ft.enable:
         return
+    if monitor.spike_rewind and ft.group_size > 1:
+        raise ConfigError(f"monitor.spike_rewind: not with {_KEY} ({ft.group_size} replica groups): each group "
+                          "judges the loss of its own share of the batch and would rewind alone, leaving the groups "
+                          "with different weights that torchft goes on averaging gradients for; turn spike_rewind "
+                          "off (loss spikes still alert) or train without replica groups")
     if ft.group_size < 1:
         raise ConfigError(f"{_KEY}.group_size: expected the number of replica groups (>= 1), got {ft.group_size}")
     if not 0 <= ft.replica_id < ft.group_size:

@@ -277,7 +277,7 @@ def check_consistency(cfg: Config, world_size: int | None = None) -> None:
     _check_choices(cfg)
     _check_ckpt(cfg)
     _check_layout(cfg, world_size)
-    check_fault_tolerance(cfg.parallel.fault_tolerance)
+    check_fault_tolerance(cfg.parallel.fault_tolerance, cfg.monitor)
     get_model_spec(cfg.model_type).validate(cfg.model_inputs())  # the family's own rules (heads, norms, its plan)
 
 

@@ -47,6 +47,17 @@ def test_bad_values_name_the_key_and_what_was_expected(override, message):
     assert message in str(e.value)
 
 
+def test_spike_rewind_is_refused_with_replica_groups():
+    """Each group judges its own share's loss: one group rewinding alone left the groups with different weights
+    (seen: 2 groups, garbage data in group 0's share only; every tensor differed at the end)."""
+    with pytest.raises(ConfigError, match=r"^configs/tiny.py: monitor.spike_rewind: not with "
+                                          r"parallel.fault_tolerance \(2 replica groups\): each group judges the "
+                                          r"loss of its own share"):
+        load("monitor.spike_rewind=True", "monitor.loss_spike_ratio=1.3")
+    assert load_config("configs/tiny.py", [f"{FT}.enable=True", "monitor.spike_rewind=True",
+                                           "monitor.loss_spike_ratio=1.3"]).monitor.spike_rewind  # one group
+
+
 def test_the_section_off_checks_nothing_and_on_keeps_its_values():
     assert not load_config("configs/tiny.py", [f"{FT}.replica_id=5"]).parallel.fault_tolerance.enable
     ft = load(f"{FT}.replica_id=1", f"{FT}.lighthouse=http://127.0.0.1:29510").parallel.fault_tolerance
