@@ -70,13 +70,18 @@ def internlm_v1_logits(t, c, ids):
     """InternLMForCausalLM (InternLM's tools/transformers modeling_internlm.py) on HF tensors `t`."""
     H, nh, eps = c["hidden_size"], c["num_attention_heads"], c["rms_norm_eps"]
     d = H // nh
+    rotary, n, m = c["rotary"], ids.shape[1], c.get("max_position_embeddings", 2048)
+    base = rotary["base"]
+    if rotary.get("type") == "dynamic" and n > m:  # InternLMDynamicNTKScalingRotaryEmbedding, beyond m positions
+        f = rotary.get("scaling_factor", 1.0)
+        base = base * ((f * n / m) - (f - 1)) ** (d / (d - 2))
     h = t["model.embed_tokens.weight"][ids]
     for i in range(c["num_hidden_layers"]):
         p = f"model.layers.{i}."
         x = rms(h, t[p + "input_layernorm.weight"], eps)
         q, k, v = (F.linear(x, t[p + f"self_attn.{n}_proj.weight"], t.get(p + f"self_attn.{n}_proj.bias"))
                    .view(*x.shape[:2], nh, d) for n in "qkv")
-        h = h + F.linear(attention(q, k, v, c["rotary"]["base"]), t[p + "self_attn.o_proj.weight"],
+        h = h + F.linear(attention(q, k, v, base), t[p + "self_attn.o_proj.weight"],
                          t.get(p + "self_attn.o_proj.bias"))
         x = rms(h, t[p + "post_attention_layernorm.weight"], eps)
         h = h + F.linear(F.silu(F.linear(x, t[p + "mlp.gate_proj.weight"])) * F.linear(x, t[p + "mlp.up_proj.weight"]),
@@ -261,9 +266,14 @@ def test_hf_internlm_v1_import_and_export_against_its_math(tmp_path):
             t[p + f"self_attn.{x}_proj.weight"], t[p + f"self_attn.{x}_proj.bias"] = r(H, H), r(H)
     c = {"architectures": ["InternLMForCausalLM"], "model_type": "internlm", "vocab_size": V, "hidden_size": H,
          "intermediate_size": I, "num_hidden_layers": L, "num_attention_heads": 4, "rms_norm_eps": 1e-6,
-         "bias": True, "rotary": {"base": 10000, "type": "dynamic"}, "tie_word_embeddings": False}
+         "bias": True, "rotary": {"base": 10000, "type": "dynamic"}, "tie_word_embeddings": False,
+         "max_position_embeddings": 8}  # dynamic NTK beyond 8 positions: the 16 tokens here are
     write_hf(tmp_path / "hf", t, c)
-    cfg = tiny("INTERNLM", "model.intermediate_size=160", "model.layer_norm_epsilon=1e-6")
+    with pytest.raises(CheckpointError, match="InternLMForCausalLM's rope_scaling=.*'dynamic'.* vs model.rope_scaling"):
+        load_hf(build_model(tiny("INTERNLM", "model.intermediate_size=160", "model.layer_norm_epsilon=1e-6")),
+                tmp_path / "hf", "INTERNLM")  # plain rotary: another model past 8 tokens (loaded silently before)
+    cfg = tiny("INTERNLM", "model.intermediate_size=160", "model.layer_norm_epsilon=1e-6",
+               "model.rope_scaling={'type': 'dynamic', 'factor': 1.0, 'original_max_position_embeddings': 8}")
     model = build_model(cfg).eval()
     assert len(load_hf(model, tmp_path / "hf", "INTERNLM")) == len(t)
     ids = torch.randint(0, V, (2, 16), generator=g)
@@ -273,6 +283,8 @@ def test_hf_internlm_v1_import_and_export_against_its_math(tmp_path):
     export_hf(tmp_path / "out", cfg, model.state_dict(), tokenizer=None, arch="internlm")
     out_c = json.loads((tmp_path / "out" / "config.json").read_text())
     assert out_c["architectures"] == ["InternLMForCausalLM"] and out_c["bias"] is True
+    assert out_c["rotary"] == {"base": 10000.0, "type": "dynamic", "scaling_factor": 1.0}
+    assert out_c["max_position_embeddings"] == 8
     assert out_c["auto_map"]["AutoModelForCausalLM"] == "modeling_internlm.InternLMForCausalLM"
     out_t = read_hf_tensors(tmp_path / "out")
     assert out_t.keys() == t.keys() and all(torch.equal(out_t[k], t[k]) for k in t)

@@ -199,9 +199,10 @@ def internlm_config(cfg: Any, torch_dtype: str = "float32",
                     special_ids: Optional[Mapping[str, Optional[int]]] = None) -> dict:
     """The `config.json` of an `InternLMForCausalLM` (InternLM v1's remote code, model_type "internlm")."""
     refuse_options(cfg.model, "InternLMForCausalLM")
-    if rope_scaling_kind(cfg.model.rope_scaling) != "default":
-        raise CheckpointError(f"model.rope_scaling={cfg.model.rope_scaling}: InternLMForCausalLM's config holds no "
-                              "rope scaling internlm-core computes; export it as Llama (--hf-arch llama)")
+    kind = rope_scaling_kind(cfg.model.rope_scaling)
+    if kind not in ("default", "dynamic"):
+        raise CheckpointError(f"model.rope_scaling={cfg.model.rope_scaling}: InternLMForCausalLM's config holds "
+                              "dynamic NTK only; export it as Llama (--hf-arch llama)")
     c = _common_config(cfg, torch_dtype, special_ids)
     del c["rope_parameters"]  # transformers' key; InternLM's remote code reads `rotary`
     if c["num_key_value_heads"] != c["num_attention_heads"]:
@@ -212,8 +213,9 @@ def internlm_config(cfg: Any, torch_dtype: str = "float32",
             "auto_map": {"AutoConfig": "configuration_internlm.InternLMConfig",
                          "AutoModel": "modeling_internlm.InternLMForCausalLM",
                          "AutoModelForCausalLM": "modeling_internlm.InternLMForCausalLM"},
-            **c, "bias": bool(cfg.model.qkv_bias),
-            "rotary": {"base": float(cfg.model.rope_base), "type": "origin"}, "rope_scaling": None}
+            **c, "bias": bool(cfg.model.qkv_bias), "rope_scaling": None,
+            "rotary": {"base": float(cfg.model.rope_base), "type": "origin"} if kind == "default" else
+            {"base": float(cfg.model.rope_base), "type": "dynamic", "scaling_factor": cfg.model.rope_scaling["factor"]}}
 
 
 def _get(c: Mapping, key: str, where: str) -> Any:
@@ -262,13 +264,18 @@ def config_from_llama(c: Mapping, where: str = "config.json") -> dict:
 
 
 def config_from_internlm(c: Mapping, where: str = "config.json") -> dict:
-    """The `model` keys of an InternLMForCausalLM config.json (`bias`, `rotary` = {base, type})."""
+    """The `model` keys of an InternLMForCausalLM config.json (`bias`, `rotary` = {base, type, scaling_factor}):
+    type "dynamic" is its remote code's dynamic NTK beyond max_position_embeddings (scaling_factor 1.0 by
+    default), our rope_scaling of type dynamic."""
     out = _shape_keys(c, where)
     out["qkv_bias"] = bool(c.get("bias", True))
     rotary = c.get("rotary") or {}
     check_rope(c.get("rope_scaling") or ({"type": rotary["type"]} if "type" in rotary else None), where,
                dynamic_ok=True)
-    out["rope_base"] = float(rotary.get("base", c.get("rope_theta", 10000.0)))
+    out["rope_base"], out["rope_scaling"] = float(rotary.get("base", c.get("rope_theta", 10000.0))), None
+    if rotary.get("type") == "dynamic" and not c.get("rope_scaling"):
+        out["rope_scaling"] = {"type": "dynamic", "factor": float(rotary.get("scaling_factor", 1.0)),
+                               "original_max_position_embeddings": int(c.get("max_position_embeddings", 2048))}
     return out
 
 
