@@ -5,7 +5,7 @@
     ckpt.register("lr_scheduler", lr_scheduler, content="scheduler")         # anything with state_dict()
     ckpt.register("data", train_loader, content="sampler", scope="dp_rank")  # one state per data-parallel rank
     ckpt.register("rng", RNGState(), content="sampler", scope="rank", strict=False)
-    ckpt.resume()                      # auto_resume, else load_ckpt_info, else nothing
+    ckpt.resume()                      # auto_resume's newest, else load_ckpt_info, else nothing
     ...
     ckpt.save(step, reason)            # blocks while state is copied to CPU memory; the rest runs in the background
     ckpt.close()                       # waits for the last save (and upload); CheckpointError if it failed
@@ -295,9 +295,12 @@ class CheckpointManager:
         return CheckpointRef(dest, found[0], found[1]) if found else None
 
     def resume(self) -> Optional[LoadResult]:
-        """At start, as InternLM: with auto_resume the newest complete checkpoint under save_ckpt_folder replaces
-        `load_ckpt_info` (everything is loaded); when there is none the run starts fresh and load_ckpt_info stays
-        unused. Without auto_resume: `load_ckpt_info` (its content), else nothing. One log line says which.
+        """At start: with auto_resume the newest complete checkpoint under save_ckpt_folder (everything is loaded);
+        when there is none yet (a job's first start), `load_ckpt_info` (its content) is the starting point when
+        something is there, else the run starts fresh with a warning (InternLM's configs ship a placeholder path
+        under auto_resume). Without auto_resume: `load_ckpt_info` (a path holding nothing is refused), else nothing.
+        InternLM ignored load_ckpt_info under auto_resume even on a first start, so a continued pretraining job that
+        kept the default trained from random weights. One log line says which.
         The newest complete checkpoint whose files fail their checksums is rejected (with an alert) and the one
         before it is taken. First of all the folder's lease is taken (one live writer per folder)."""
         self.claim()
@@ -307,19 +310,33 @@ class CheckpointManager:
             if res is not None:
                 self.last_saved_step = res.step
                 return res
+            where = f"under {self.dest.url}" if self.dest is not None else "(no ckpt.save_ckpt_folder)"
+            if info is not None and info.path and not self.coll.on_rank0(lambda: self._nothing_at(info.path)):
+                if self.rank == 0:
+                    logger.info("start: no complete checkpoint %s yet (auto_resume): loading load_ckpt_info %s (%s)",
+                                where, info.path, info.ckpt_type)
+                return self.load(info.path, info.content, info.ckpt_type)
             if self.rank == 0:
-                where = f"under {self.dest.url}" if self.dest is not None else "(no ckpt.save_ckpt_folder)"
-                unused = (f"; load_ckpt_info {info.path} ({info.ckpt_type}) not used: auto_resume replaces it, as "
-                          f"in InternLM (set ckpt.auto_resume=False to load it)" if info is not None and info.path
-                          else "")
-                logger.info("start: no complete checkpoint %s (auto_resume): fresh %s%s", where,
-                            ", ".join(CONTENTS), unused)
+                fresh = f"start: no complete checkpoint {where} (auto_resume): fresh {', '.join(CONTENTS)}"
+                if info is not None and info.path:
+                    logger.warning("%s; load_ckpt_info %s (%s) not used: nothing there (with auto_resume=False a "
+                                   "path holding nothing is refused)", fresh, info.path, info.ckpt_type)
+                else:
+                    logger.info(fresh)
             return None
         if info is not None and info.path:
             return self.load(info.path, info.content, info.ckpt_type)
         if self.rank == 0:
             logger.info("start: nothing to load (auto_resume off, no load_ckpt_info): fresh %s", ", ".join(CONTENTS))
         return None
+
+    def _nothing_at(self, path: str) -> bool:
+        """Whether `path` (a checkpoint, a folder of them or a foreign folder) holds nothing at all."""
+        storage = parse_destination(path, self.attempts, self.backoff_s)
+        local = storage.local_path("")
+        if local is not None:
+            return not local.exists() or not any(local.iterdir())
+        return not storage.list_names() and not storage.file_sizes("")
 
     def load(self, path: str, content: Iterable[str] | str | None = ("all",),
              ckpt_type: str = "internlm_core") -> LoadResult:

@@ -30,10 +30,11 @@ def explicit_keys(raw: Mapping[str, Any], prefix: str = "") -> set[str]:
 
 
 def _folder_config(cfg: Any) -> tuple[Path, dict] | None:
-    """(config.json, its content) of the local Hugging Face folder the run loads at start, or None (no such load:
-    auto_resume, another format, object storage or no folder there: the load itself says what is wrong)."""
+    """(config.json, its content) of the local Hugging Face folder the run starts from, or None (no such load:
+    another format, object storage or no folder there: the load itself says what is wrong). Under auto_resume too:
+    the folder is the first start's weights, and the checkpoints a restart resumes hold that same model."""
     info = cfg.ckpt.load_ckpt_info
-    if cfg.ckpt.auto_resume or info is None or not info.path or str(info.ckpt_type).lower() not in HF_TYPES:
+    if info is None or not info.path or str(info.ckpt_type).lower() not in HF_TYPES:
         return None
     path = Path(str(info.path).removeprefix("local:")) / "config.json"
     if not path.is_file():

@@ -289,7 +289,7 @@ class CkptConfig:
     checkpoint_every: int = f(50, "Save every this many steps.")
     oss_snapshot_freq: int = f(0, "Save a snapshot every this many steps into two alternating slots (0: off).")
     load_ckpt_info: Optional[LoadCkptInfo] = f(None, "Checkpoint to load at start (see LoadCkptInfo).")
-    auto_resume: bool = f(True, "As InternLM: resume from the newest complete checkpoint under save_ckpt_folder, replacing load_ckpt_info; when there is none the run starts fresh (load_ckpt_info unused: set False to load it). InternLM's legacy load_given_ckpt=True means False.")
+    auto_resume: bool = f(True, "Resume from the newest complete checkpoint under save_ckpt_folder (everything: model, optimizer, schedules, data position); when there is none yet (a job's first start), load_ckpt_info is loaded (a path holding nothing, such as InternLM's placeholder llm_ckpts/xxxx: fresh, with a warning), else the run starts fresh. InternLM ignored load_ckpt_info under auto_resume even then (a continued pretraining job that kept the default started from random weights). False: load_ckpt_info only, every start. InternLM's legacy load_given_ckpt=True means False.")
     async_upload: bool = f(True, "Write and upload checkpoints in the background.")
     async_upload_tmp_folder: Optional[str] = f(None, "Local staging folder for uploads to object storage.")
     stop_file_path: Optional[str] = f(None, "A file holding an integer N: save at step |N|, and stop if N > 0.")

@@ -4,6 +4,7 @@ auto_resume's choice, retention, mismatch messages, refusal to unpickle, model-o
 from __future__ import annotations
 
 import json
+import logging
 import os
 import pickle
 import random
@@ -31,7 +32,8 @@ def build(tmp_path: Path, run: str, steps: int, *sets: str, ckpt: Path | None = 
     """A real trainer of configs/tiny.py that saves into `ckpt` (default tmp_path/ckpt) and auto-resumes from it
     (with a load_ckpt_info: loads that instead, auto_resume off as InternLM needs it)."""
     ckpt = ckpt or tmp_path / "ckpt"
-    if any(s.startswith("ckpt.load_ckpt_info=") for s in sets):
+    if any(s.startswith("ckpt.load_ckpt_info=") for s in sets) and not any(s.startswith("ckpt.auto_resume=")
+                                                                           for s in sets):
         sets = (*sets, "ckpt.auto_resume=False")
     cfg = load_config(ROOT / "configs/tiny.py", [
         f"data.total_steps={steps}", f"data.seq_len={SEQ}", "data.valid_every=0", "monitor.tensorboard=False", "monitor.log_every=1000",
@@ -257,6 +259,31 @@ def test_model_only_load_starts_fresh_optimizer_and_schedule(tmp_path):
     c = build(tmp_path, "c", 4, load_info(path, "all"), ckpt=tmp_path / "c_ckpt")  # the contrast: everything
     assert len(c.optimizer.state) > 0 and c.state.batch_count == 4
     assert c.optimizer.param_groups[0]["lr"] == a.optimizer.param_groups[0]["lr"]
+
+
+def test_auto_resume_first_start_loads_load_ckpt_info_then_resumes_its_own(tmp_path, caplog):
+    """auto_resume (the default) with load_ckpt_info: the job's first start, with nothing under save_ckpt_folder
+    yet, loads the named weights (InternLM started from random ones); its restart resumes its own checkpoint; a
+    path holding nothing (InternLM's placeholder) starts fresh with a warning naming it."""
+    a = build(tmp_path, "a", 2)
+    a.train()
+    info, job = load_info(tmp_path / "ckpt/2", "model"), tmp_path / "job_ckpt"
+    b = build(tmp_path, "b", 3, info, "ckpt.auto_resume=True", ckpt=job)
+    assert b.checkpoint_manager.loaded.content == ("model",) and b.state.batch_count == 0
+    for name, t in params(a).items():
+        assert torch.equal(params(b)[name], t), name
+    b.train()  # saves step 3 at the end
+    c = build(tmp_path, "c", 3, info, "ckpt.auto_resume=True", ckpt=job)
+    assert c.checkpoint_manager.loaded.step == 3 and c.state.batch_count == 3
+    for name, t in params(b).items():
+        assert torch.equal(params(c)[name], t), name
+    c.checkpoint_manager.close()
+    with caplog.at_level(logging.WARNING):
+        d = build(tmp_path, "d", 2, load_info(tmp_path / "nothing", "model"), "ckpt.auto_resume=True",
+                  ckpt=tmp_path / "d_ckpt")
+    assert d.checkpoint_manager.loaded is None and d.state.batch_count == 0
+    assert f"load_ckpt_info {tmp_path / 'nothing'} (internlm_core) not used: nothing there" in caplog.text
+    d.checkpoint_manager.close()
 
 
 def test_optimizer_without_scheduler_keeps_fresh_schedule(tmp_path):
