@@ -122,7 +122,7 @@ class FusedHeadCrossEntropy(torch.autograd.Function):
             if acc is not None:
                 acc += dz @ wc
             if grad_weight is not None:  # these vocabulary rows' gradient, whole: one matmul over every token
-                torch.mm(dz.t(), hidden, out=grad_weight[v0:v1])
+                grad_weight[v0:v1].addmm_(dz.t(), hidden, beta=0)  # beta 0: the empty buffer is not read
         grad_hidden = None
         if acc is not None:
             grad_hidden = _all_reduce(acc.to(hidden.dtype), group)  # every rank's vocabulary rows contribute

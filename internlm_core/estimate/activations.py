@@ -78,7 +78,8 @@ def fused_head_transients(vocab: float, hidden: int, tokens: int, comp: int, wei
     gradient in the compute dtype (cast to the weight's dtype where it differs) and the weight cast to the compute
     dtype where it differs; `vocab`: on one device."""
     dev = torch.device(device)
-    chunk = max(min(chunk_rows(int(vocab), dev), tokens) * vocab, tokens * min(chunk_cols(tokens, dev), vocab))
+    cols = min(chunk_cols(tokens, dev), vocab)
+    chunk = max(min(chunk_rows(int(vocab), dev), tokens) * vocab, tokens * cols)
     weight = vocab * hidden
     cast = comp * weight if weight_itemsize != comp else 0
     gradient = comp * weight + (weight_itemsize * weight if weight_itemsize != comp else 0)
