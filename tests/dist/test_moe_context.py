@@ -3,7 +3,8 @@
 load-balancing loss, the router z-loss and aux-loss-free expert bias on. CP 2 (ring and all_to_all, FSDP over the 2
 context ranks) and expert parallel 2 (FSDP, data parallel 2) give the losses, gradient norms, the step's aux and z
 losses, the load metrics and the expert bias after every step of one process on the same global batch (fp32,
-within 1e-5), gloo on CPU.
+within 1e-5), gloo on CPU. DEEPSEEK_V3 (latent attention, sigmoid group-limited routing, a shared expert) at CP 2
+(ring) likewise.
 
 The global batch is 2 micro-batches of one 64-token row; all jobs of one world size run in one process group, one
 after the other, as tests/dist/test_context_parallel.py does."""
@@ -31,12 +32,22 @@ BASE = ["model_type=QWEN3_MoE", "model.num_layers=2", "model.first_k_dense_repla
         "data.fixed_random_dataset_seqlen=False", "data.valid_every=0", "data.num_worker=0",
         f"data.total_steps={STEPS}", "data.empty_cache_and_diag_interval=100", "monitor.tensorboard=False",
         "monitor.log_every=100", "adam.lr=2e-3", "ckpt.enable_save_ckpt=False", "ckpt.auto_resume=False"]
-# name: (processes, overrides); the reference is one process
+# DEEPSEEK_V3 (issue 36's check "CP2 equals one process"): latent attention with low-rank queries, a dense first
+# block, group-limited sigmoid routing with a shared expert and the aux-loss-free bias, the same data and steps
+DEEPSEEK = [o for o in BASE if not o.startswith(("model_type", "model.num_kv_attention_heads", "model.head_dim",
+                                                 "model.num_layers", "model.intermediate_size"))] + [
+    "model_type=DEEPSEEK_V3", "model.num_layers=3", "model.intermediate_size=64", "model.q_lora_rank=24",
+    "model.kv_lora_rank=16", "model.qk_nope_head_dim=16", "model.qk_rope_head_dim=8", "model.v_head_dim=12",
+    "model.num_shared_experts=1", "moe.score_func=sigmoid", "moe.num_expert_groups=2", "moe.top_k_groups=1",
+    "moe.routed_scaling_factor=2.5"]
+# name: (processes, overrides); the references are one process
 JOBS = {
     "reference": (1, []),
     "cp2_ring": (2, ["parallel.context=2"]),
     "cp2_a2a": (2, ["parallel.context={'size': 2, 'mode': 'all_to_all'}"]),
     "ep2": (2, ["parallel.expert=2", "parallel.zero1=-1", "data.micro_num=1"]),
+    "deepseek_reference": (1, []),
+    "deepseek_cp2_ring": (2, ["parallel.context=2"]),
 }
 KEYS = ("loss", "grad_norm", "moe/aux_loss", "moe/layer1/z_loss", "moe/layer1/max_load", "moe/layer1/min_load")
 
@@ -49,7 +60,8 @@ def run_job(name: str, launch, root: Path) -> None:
     from internlm_core.model.moe import moe_layers
     from internlm_core.trainer.build import build_trainer, resolve_run_dir
 
-    cfg = load_config("configs/tiny.py", BASE + JOBS[name][1], world_size=launch.world_size)
+    base = DEEPSEEK if name.startswith("deepseek") else BASE
+    cfg = load_config("configs/tiny.py", base + JOBS[name][1], world_size=launch.world_size)
     record: dict = {}
 
     class Record(TrainerCallback):
@@ -61,7 +73,7 @@ def run_job(name: str, launch, root: Path) -> None:
                             extra_callbacks=[Record()])
     kinds = [type(b.feed_forward).__name__ for b in trainer.model.layers.values()]
     params = dict(trainer.model.named_parameters())
-    meshes = {n: getattr(getattr(params[n], "device_mesh", None), "mesh_dim_names", None)
+    meshes = {n: getattr(getattr(params.get(n), "device_mesh", None), "mesh_dim_names", None)
               for n in ("layers.0.feed_forward.w1.weight", "layers.1.feed_forward.experts.w1")}
     trainer.train()
     (root / name).mkdir(parents=True, exist_ok=True)
@@ -85,14 +97,14 @@ def worker(rank: int, world: int, port: int, names: list[str], root: str) -> Non
 def runs(tmp_path_factory):
     import torch.multiprocessing as mp
     root = tmp_path_factory.mktemp("moe_context")
-    worker(0, 1, 0, ["reference"], str(root))
+    worker(0, 1, 0, ["reference", "deepseek_reference"], str(root))
     context()
     mp.start_processes(worker, args=(2, free_port(), [n for n in JOBS if JOBS[n][0] == 2], str(root)), nprocs=2,
                        start_method="forkserver", join=True)
     return lambda name: [torch.load(root / name / f"rank{r}.pt", weights_only=False) for r in range(JOBS[name][0])]
 
 
-@pytest.mark.parametrize("name", [n for n in JOBS if n != "reference"])
+@pytest.mark.parametrize("name", [n for n in JOBS if "reference" not in n and not n.startswith("deepseek")])
 def test_moe_with_a_dense_block_matches_one_process(runs, name):
     recs, ref = runs(name), runs("reference")[0]
     assert ref["kinds"] == ["FeedForward", "MoEFeedForward"] == recs[0]["kinds"]
@@ -111,3 +123,17 @@ def test_moe_with_a_dense_block_matches_one_process(runs, name):
                 assert got[k] == pytest.approx(want[k], rel=1e-5, abs=1e-6), (name, r, step, k, got[k], want[k])
             # the bias moves by +-rate per step: the same sign of (mean - load) as one process saw, every expert
             assert torch.allclose(bias[0], want_bias[0], atol=1e-6), (name, r, step, bias, want_bias)
+
+
+def test_deepseek_v3_under_context_parallel_matches_one_process(runs):
+    """DEEPSEEK_V3 at CP 2 (ring): the latent attention's chunks and the routing statistics summed over the context
+    ranks give one process's losses, norms, MoE metrics and expert bias, every step."""
+    recs, ref = runs("deepseek_cp2_ring"), runs("deepseek_reference")[0]
+    assert recs[0]["cp"] == 2 and ref["kinds"][0] != ref["kinds"][1]  # a dense block, then MoE ones
+    for step in range(1, STEPS + 1):
+        want, want_bias = ref["steps"][step]
+        for r, rec in enumerate(recs):
+            got, bias = rec["steps"][step]
+            for k in KEYS:
+                assert got[k] == pytest.approx(want[k], rel=1e-5, abs=1e-6), (r, step, k, got[k], want[k])
+            assert all(torch.allclose(b, w, atol=1e-6) for b, w in zip(bias, want_bias)), (r, step)
