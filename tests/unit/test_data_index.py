@@ -136,6 +136,10 @@ def test_two_level_shuffle_for_big_corpora(tmp_path, monkeypatch):
     assert all(ld.global_row(k)["input_ids"].tolist() == ref[k].tolist() for k in range(0, ld.rows_per_epoch, 7))
     ep1 = ld.streams[0].epoch(1)
     assert [ep1.doc(j) for j in range(ep1.num_docs)] != order
+    # epoch 1 started building epoch 2 in the background: let it end before monkeypatch restores the sizes it reads
+    # (a build outliving the test saw them change mid-way: "wrote 1028 entries, expected 1000" in a CI log)
+    if ld.streams[0]._ahead is not None:
+        ld.streams[0]._ahead.join()
 
 
 def _build_in_child(folder, barrier, out):
