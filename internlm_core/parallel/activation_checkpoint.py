@@ -123,11 +123,30 @@ class _ExchangeReplay(TorchDispatchMode):
         return out
 
 
+# ops torch's selective checkpoint modes pass through uncounted (as its SAC_IGNORED_OPS): record_function's
+# profiler annotations, which FSDP2's hooks of a unit nested in the block (expert parallel's experts) enter a
+# different number of times in the forward and the recompute ("invocation index 2 encountered during backward but
+# not found in storage"; torch fixes it in pytorch/pytorch#196862)
+IGNORED_NAMESPACES = ("profiler",)
+
+
+@functools.lru_cache(maxsize=None)
+def _passing_annotations(mode_class: type) -> type:
+    """`mode_class` (one of torch's selective checkpoint modes) that runs IGNORED_NAMESPACES' ops uncounted."""
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if getattr(func, "namespace", None) in IGNORED_NAMESPACES:
+            return func(*args, **(kwargs or {}))
+        return mode_class.__torch_dispatch__(self, func, types, args, kwargs)
+    return type(mode_class.__name__, (mode_class,), {"__torch_dispatch__": __torch_dispatch__})
+
+
 def selective_contexts() -> tuple[Any, Any]:
     """The `context_fn` of `selective`: torch's selective checkpoint contexts above the exchange record/replay
     (entered first, so that torch's caching mode, on top, hands down to the replay the exchanges it recomputes)."""
     log: collections.deque = collections.deque()
     forward, recompute = create_selective_checkpoint_contexts(selective_policy)
+    for mode in (forward, recompute):
+        mode.__class__ = _passing_annotations(type(mode))
     return _Pair(_ExchangeRecord(log), forward), _Pair(_ExchangeReplay(log), recompute)
 
 
