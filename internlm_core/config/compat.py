@@ -44,6 +44,7 @@ class CompatNotes:
     compat: list[str] = field(default_factory=list)
     mapped: list[str] = field(default_factory=list)
     adopted: list[str] = field(default_factory=list)  # keys a Hugging Face folder set (config/hf_folder.py)
+    origins: dict = field(default_factory=dict)  # key set here -> the user's key it came from (for error lines)
 
     def lines(self) -> list[str]:
         """At most three log lines: the compatibility-only keys, the translations, the keys taken from the
@@ -255,6 +256,7 @@ def _zero_bubble(par: dict, raw: dict, notes: CompatNotes) -> None:
         raise ConfigError(f"parallel.pipeline.zero_bubble=True maps to parallel.pipeline_schedule={name!r}, but "
                           f"parallel.pipeline_schedule={par['pipeline_schedule']!r} is set; set only one of them")
     par["pipeline_schedule"] = name
+    notes.origins["parallel.pipeline_schedule"] = "parallel.pipeline.zero_bubble=True"
     notes.mapped.append(f"parallel.pipeline.zero_bubble=True -> parallel.pipeline_schedule={name!r}")
 
 

@@ -373,7 +373,9 @@ def _check_layout(cfg: Config, world_size: int | None) -> None:
     if p.pipeline > 1 and d.micro_num < p.pipeline:
         raise ConfigError(f"data.micro_num ({d.micro_num}) must be at least parallel.pipeline ({p.pipeline}) "
                           f"to keep every stage busy")
-    check_pipeline_schedule(p.pipeline_schedule, p.pipeline, m.num_chunks, d.micro_num, m.compile)
+    origins = cfg.compat_notes.origins if cfg.compat_notes is not None else {}
+    check_pipeline_schedule(p.pipeline_schedule, p.pipeline, m.num_chunks, d.micro_num, m.compile,
+                            origins.get("parallel.pipeline_schedule", ""))
     if p.tensor > 1 and m.vocab_size % p.tensor:
         raise ConfigError(f"parallel.tensor ({p.tensor}) must divide model.vocab_size ({m.vocab_size}) "
                           f"for the vocabulary-parallel embedding and output")

@@ -41,10 +41,12 @@ def stage_ids(schedule: str, pp_rank: int, pp_size: int, num_chunks: int) -> lis
     return [pp_rank + c * pp_size for c in range(num_chunks)]
 
 
-def check_pipeline_schedule(schedule: str, pipeline: int, num_chunks: int, micro_num: int, compile: bool) -> str:
-    """The resolved schedule, or ConfigError naming the key that does not fit it (module docstring)."""
+def check_pipeline_schedule(schedule: str, pipeline: int, num_chunks: int, micro_num: int, compile: bool,
+                            origin: str = "") -> str:
+    """The resolved schedule, or ConfigError naming the key that does not fit it (module docstring); `origin`: the
+    user's key the schedule was mapped from (InternEvo's zero_bubble), named in the error too."""
     name = resolve_schedule(schedule, num_chunks)
-    key = f"parallel.pipeline_schedule={schedule!r}"
+    key = f"parallel.pipeline_schedule={schedule!r}" + (f" (from {origin})" if origin else "")
     if pipeline == 1:
         if schedule != "auto":
             raise ConfigError(f"{key}: needs parallel.pipeline > 1 (there is no pipeline to schedule)")

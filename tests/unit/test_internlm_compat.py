@@ -269,8 +269,9 @@ def test_zero_bubble_maps_to_a_zero_bubble_schedule_or_is_refused():
     with pytest.raises(ConfigError) as err:
         build_config({"model": {**base, "compile": True}, "data": {"micro_num": 4},
                       "parallel": {"pipeline": {"size": 2, "zero_bubble": True}}})
-    assert str(err.value).startswith("config: parallel.pipeline_schedule='interleaved_zb' with model.compile=True: "
-                                     "the compiled blocks' backward is one graph")
+    assert str(err.value).startswith("config: parallel.pipeline_schedule='interleaved_zb' (from "
+                                     "parallel.pipeline.zero_bubble=True) with model.compile=True: the compiled "
+                                     "blocks' backward is one graph")  # the key the user wrote named too
     with pytest.raises(ConfigError, match=r"zero_bubble=True maps to parallel.pipeline_schedule='interleaved_zb', but "
                                           r"parallel.pipeline_schedule='1f1b' is set"):
         build_config({"model": base, "data": {"micro_num": 4},
