@@ -18,7 +18,7 @@ from typing import Any, Callable, Iterable, Optional
 import torch
 import torch.nn as nn
 
-from ..config.fp8 import Fp8Plan, linear_skip_reason
+from ..config.fp8 import ROUTING_NAMES, Fp8Plan, linear_skip_reason
 from ..errors import ConfigError
 from ..utils.logging import get_logger
 from .mxfp8 import expert_modules, expert_skip_reason, mx_kernel, swap_mx_weights
@@ -72,6 +72,7 @@ def convert_to_fp8(model: nn.Module, blocks: Iterable[nn.Module], plan: Fp8Plan,
                            converted)
     else:
         note = _convert_float8(model, plan, keep_low)
+        skipped.update(_moe_untouched(model, blocks))
     logger.info(f"model.fp8: recipe {plan.recipe}, {len(converted)} {'layers' if plan.mx else 'linear layers'} in "
                 f"{'mxfp8' if plan.mx else 'float8'}{note}"
                 + (f"; kept in high precision: {'; '.join(f'{k} ({v})' for k, v in skipped.items())}"
@@ -87,6 +88,21 @@ def _convert_float8(model: nn.Module, plan: Fp8Plan, keep_low: Callable[[nn.Modu
         config = dataclasses.replace(config, enable_fsdp_float8_all_gather=True)
     ao_float8.convert_to_float8_training(model, config=config, module_filter_fn=keep_low)
     return ", float8 FSDP all-gather" if plan.fsdp_float8_all_gather else ""
+
+
+def _moe_untouched(model: nn.Module, blocks: list[nn.Module]) -> dict[str, str]:
+    """The MoE modules the float8 recipes leave in high precision with no linear to skip, for the log line: the
+    stacked experts (3-D weights) and the routers (a module holding its [E, h] weight)."""
+    experts = expert_modules(blocks)
+    in_blocks = {id(m) for b in blocks for m in b.modules()}
+    out = {}
+    for fqn, module in model.named_modules():
+        if id(module) in experts:
+            out[fqn] = "MoE experts: 3-D weights, torchao's float8 recipes convert linears only (mxfp8 takes them)"
+        elif (id(module) in in_blocks and not isinstance(module, nn.Linear)
+              and fqn.rsplit(".", 1)[-1] in ROUTING_NAMES and any(True for _ in module.parameters(recurse=False))):
+            out[fqn] = "MoE routing"
+    return out
 
 
 def _convert_mx(model: nn.Module, blocks: list[nn.Module], plan: Fp8Plan, device: torch.device,
