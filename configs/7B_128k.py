@@ -41,8 +41,9 @@ model = dict(
     # 16K tokens); none 90 GiB. Recomputing the blocks is what makes the activations fit.
     checkpoint=True,
     # the fused head drops the 2.8 GiB of logits; its two fp32 chunks and the head's gradient take part of it back:
-    # 11.4 GiB against 11.9, for one more head matmul per micro-batch (the logits recomputed in backward): on
-    fused_head_loss=True,
+    # 11.4 GiB against 11.9, for one more head matmul per micro-batch (the logits recomputed in backward). "auto"
+    # (the estimator's choice) fuses it here
+    fused_head_loss="auto",
     # offload (the recomputed layers' inputs, 4.5 GiB, to the host) would lower the peak to 7.9 GiB, its copies
     # hidden by the ~8 s step; not needed at 11.9 GiB: off (on for GPUs under 16 GiB)
     offload_activations=False,

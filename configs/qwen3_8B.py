@@ -48,8 +48,9 @@ model = dict(
     # (+15% / +31% FLOPs per token). Selective: use True on GPUs under 40 GiB.
     checkpoint="selective",
     # the fused head (model.fused_head_loss) drops the 1.2 GiB of bf16 logits, but at 4,096 tokens its two fp32
-    # chunks (1 GiB) and the head's weight gradient at that moment raise the estimated peak: 34.3 GiB against 33.2. Off.
-    fused_head_loss=False,
+    # chunks (1 GiB) and the head's weight gradient at that moment raise the estimated peak: 34.3 GiB against 33.2.
+    # "auto" (the estimator's choice) leaves it unfused here
+    fused_head_loss="auto",
     # activation offload under "selective" moves only the layers' inputs (1.3 GiB to the host) for 32.1 GiB; without
     # recomputation it reaches 24.5 GiB but copies 22 GiB per micro-batch each way over PCIe, more than the
     # micro-batch's compute time hides. Off.

@@ -19,6 +19,7 @@ from ..utils.cpu_features import CpuFeatures
 from .activations import (StageActivations, TokenBytes, fused_forward_chunks, fused_head_transients,
                           stage_activations, token_bytes)
 from .communication import fsdp_communication
+from .fused_choice import pick_fused_head, with_fused_head
 from .figures import (DEFAULT_MFU, DEFAULT_PEAK_TFLOPS, GiB, PRECISIONS, Communication, Estimate, Layout,
                       cuda_runtime_bytes)
 from .memory import StageContext, pick_stage
@@ -129,6 +130,11 @@ def estimate(cfg: Config, world_size: int = 1, precision: str = "internlm_core",
     """
     if precision not in PRECISIONS:
         raise ValueError(f"precision {precision!r}: expected one of {PRECISIONS}")
+    if cfg.model.fused_head_loss == "auto" and fused_head_of(cfg, float("inf")):  # decided here (fused_choice.py)
+        kw = dict(world_size=world_size, precision=precision, mfu=mfu, peak_tflops=peak_tflops, attention=attention,
+                  device_memory_gib=device_memory_gib, args=args, device=device, grad_reduce=grad_reduce,
+                  pipeline_rank=pipeline_rank, runtime_bytes=runtime_bytes, linear=linear, cpu=cpu)
+        return pick_fused_head(estimate(with_fused_head(cfg, True), **kw), estimate(with_fused_head(cfg, False), **kw))
     spec = get_model_spec(cfg.model_type)
     args = args if args is not None else model_args_from_config(cfg, "cuda")
     d = cfg.data

@@ -23,6 +23,7 @@ from ..config.loader import compat_lines, config_to_dict
 from ..config.recompute import fused_head_of
 from ..distributed import LaunchInfo, ParallelDims, set_deterministic, set_seed
 from ..estimate.fit import check_memory
+from ..estimate.fused_choice import fused_head_chosen
 from ..fused_head import FusedHead
 from ..loss import FlashGPTLMLoss
 from ..metrics import AccPerplex, Throughput
@@ -107,13 +108,14 @@ def build_kernels(cfg: Config, precision: Precision, device: torch.device, dims:
 
 
 def build_loss(cfg: Config, kernels: Kernels, model: Optional[torch.nn.Module] = None,
-               pipeline: Optional[PipelineParallel] = None) -> FlashGPTLMLoss:
-    """The loss; with `model` and model.fused_head_loss deciding so (fused_head_of), it applies the model's output
-    layer itself (fused_head.py), the model stopping before it in training."""
+               pipeline: Optional[PipelineParallel] = None, fused: Optional[bool] = None) -> FlashGPTLMLoss:
+    """The loss; with `model` and model.fused_head_loss deciding so (`fused`: estimate/fused_choice's decision for
+    this run; None: fused_head_of), it applies the model's output layer itself (fused_head.py), the model stopping
+    before it in training."""
     loss = FlashGPTLMLoss(kernels.cross_entropy, label_smoothing=cfg.loss.label_smoothing)
     # (under pipeline parallel the stages without the output layer compute no loss: nothing to fuse there)
     last = pipeline is None or pipeline.is_last
-    if model is not None and fused_head_of(cfg) and last:
+    if model is not None and (fused_head_of(cfg) if fused is None else fused) and last:
         loss.fused_head = FusedHead(model, cfg.parallel.sequence_parallel and cfg.parallel.tensor > 1,
                                     tuple(pipeline.chunks) if pipeline is not None else ())
         logger.info("fused output head and cross entropy (model.fused_head_loss): no [tokens, vocab] logits")
@@ -281,7 +283,9 @@ def build_trainer(cfg: Config, launch: LaunchInfo, run_dir: Path, seed: Optional
     return Trainer(
         loop=LoopConfig.from_config(cfg, dims.tp, simulated=simulated), model=model,
         family=model_spec(cfg).hooks, pipeline=pipeline,
-        loss_fn=build_loss(cfg, kernels, model, pipeline), precision=precision, kernels=kernels, optimizer=optimizer,
+        loss_fn=build_loss(cfg, kernels, model, pipeline, fused_head_chosen(cfg, launch.world_size,
+                                                                           launch.device.type)),
+        precision=precision, kernels=kernels, optimizer=optimizer,
         lr_scheduler=lr_scheduler, beta2_scheduler=beta2_scheduler, grad_scaler=grad_scaler,
         train_loader=train_loader, valid_loaders=valid_loaders, batch_skipper=batch_skipper, state=state, dims=dims,
         device=launch.device, run_dir=run_dir, rank=launch.rank, world_size=launch.world_size,

@@ -22,6 +22,8 @@ from tests.helpers.launch import run_script, run_train
 from tests.helpers.live_tensors import LiveTensorBytes
 
 # ---- activations: the estimate's terms against what autograd really keeps ------------------------------------
+# the unfused head's figures (model.fused_head_loss "auto" may fuse it: tests/unit/test_fused_head.py)
+UNFUSED = "model.fused_head_loss=False"
 
 
 def saved_bytes(cfg, dtype, cu_seqlens, cross_entropy):
@@ -127,9 +129,10 @@ def test_7b_on_8_gpus_counts_what_gradient_accumulation_keeps():
 
 def test_cross_entropy_kernels_keep_what_they_keep():
     """flash-attn's loss overwrites the logits in backward; torch's keeps an fp32 log-softmax and needs 8V more."""
-    cfg = load_config("configs/7B.py")
+    cfg = load_config("configs/7B.py", [UNFUSED])
     flash = estimate(cfg, 8)
-    smoothed = estimate(load_config("configs/7B.py", ["loss.label_smoothing=0.1", "model.use_flash_attn=False"]), 8)
+    smoothed = estimate(load_config("configs/7B.py", ["loss.label_smoothing=0.1", "model.use_flash_attn=False",
+                                                      UNFUSED]), 8)
     assert flash.cross_entropy == "flash" and flash.memory.loss_peak == 0
     tokens, V = 2 * 2048, 103168
     assert smoothed.cross_entropy == "flash"  # flash-attn's loss has label smoothing too
@@ -139,23 +142,23 @@ def test_cross_entropy_kernels_keep_what_they_keep():
     # trainer drops before backward
     assert cpu.cross_entropy == "fused_chunked" and cpu.memory.loss_peak == 3 * 4 * (4 * 2**20 // (4 * V)) * V \
         + tokens * 2 * V
-    smoothing_cpu = estimate(load_config("configs/7B.py", ["loss.label_smoothing=0.1"]), 1, device="cpu")
+    smoothing_cpu = estimate(load_config("configs/7B.py", ["loss.label_smoothing=0.1", UNFUSED]), 1, device="cpu")
     assert smoothing_cpu.cross_entropy == "torch" and smoothing_cpu.memory.loss_peak == tokens * 8 * V
     fp32 = estimate(load_config("configs/7B.py", ["model.dtype=torch.float32"]), 8)
     assert fp32.attention == "sdpa"  # fp32 never goes to flash-attn
 
 
 def test_layout_divides_what_it_shards():
-    cfg = load_config("configs/7B.py", ["parallel.zero1=-1"])
+    cfg = load_config("configs/7B.py", ["parallel.zero1=-1", UNFUSED])
     m64, m8 = estimate(cfg, 64).memory, estimate(cfg, 8).memory
     assert m64.optimizer * 8 == pytest.approx(m8.optimizer)
     assert m64.activations == m8.activations and m64.weight_copies == m8.weight_copies
-    tp2 = estimate(load_config("configs/7B.py", ["parallel.zero1=-1", "parallel.tensor=2"]), 8).memory
+    tp2 = estimate(load_config("configs/7B.py", ["parallel.zero1=-1", "parallel.tensor=2", UNFUSED]), 8).memory
     assert tp2.parameters == pytest.approx(m8.parameters)  # 8 / (tp 2 x dp 4): the same shard size
     # tensor parallel shards attention and FFN activations; the norm side only with sequence parallel
     assert 0.55 * m8.activations < tp2.activations < 0.75 * m8.activations
     sp = estimate(load_config("configs/7B.py", ["parallel.zero1=-1", "parallel.tensor=2",
-                                                "parallel.sequence_parallel=True"]), 8).memory
+                                                "parallel.sequence_parallel=True", UNFUSED]), 8).memory
     # ... and the vocabulary-parallel loss keeps its fp32 log-softmax shard, where flash-attn's keeps nothing but
     # the bf16 logits it overwrites in backward (the vocabulary-parallel ones are dropped before backward)
     assert sp.activations == pytest.approx(m8.activations / 2 + 2 * 2048 * (4 - 2) * 103168 / 2, rel=0.02)

@@ -124,3 +124,33 @@ def test_estimate_of_the_fused_head_within_15_percent_of_the_measured_peak():
     predicted = m.activations + m.weight_copies + m.gemm_copies + m.loss_peak  # what a micro-batch adds
     measured = _micro_batch_peak(cfg)
     assert abs(predicted / measured - 1) < 0.15, (predicted / 2**20, measured / 2**20)
+
+
+def test_auto_is_the_estimators_choice(tmp_path):
+    """model.fused_head_loss = "auto" (the default): fused where the estimated peak is lower by at least 256 MiB on
+    the device's loss kernel: 7B at 128K tokens on GPUs, not Qwen3-8B at 4K (flash-attn's in-place loss keeps only
+    the bf16 logits), not a small model; the trainer takes the estimator's decision."""
+    from internlm_core.config import load_config
+    from internlm_core.config.recompute import AUTO_MIN_SAVING
+    from internlm_core.distributed import LaunchInfo
+    from internlm_core.estimate import estimate
+    from internlm_core.estimate.fused_choice import fused_head_chosen
+    from internlm_core.trainer.build import build_trainer
+
+    long = load_config("configs/7B_128k.py", ["model.fused_head_loss=auto"], world_size=64)
+    qwen = load_config("configs/qwen3_8B.py", ["model.fused_head_loss=auto"], world_size=8)
+    chosen, off = estimate(long, 64), estimate(load_config("configs/7B_128k.py", ["model.fused_head_loss=False"],
+                                                           world_size=64), 64)
+    assert chosen.cross_entropy == "fused_head" and chosen.memory.total <= off.memory.total - AUTO_MIN_SAVING
+    assert any(n.startswith('model.fused_head_loss="auto": fused head') for n in chosen.notes), chosen.notes
+    assert estimate(qwen, 8).cross_entropy == "flash"
+    assert fused_head_chosen(long, 64, "cuda") and not fused_head_chosen(qwen, 8, "cuda")
+    small = load_config("configs/tiny.py", [])
+    assert small.model.fused_head_loss == "auto" and not fused_head_chosen(small, 1, "cpu")
+    # a CPU run with a large vocabulary: 1 GiB of fp32 logits per micro-batch; the trainer fuses, as estimated
+    big = load_config("configs/tiny.py", ["model.vocab_size=65536", "data.seq_len=2048", "data.total_steps=1",
+                                          "monitor.tensorboard=False"])
+    assert estimate(big, 1, device="cpu").cross_entropy == "fused_head"
+    (tmp_path / "run").mkdir()
+    trainer = build_trainer(big, LaunchInfo("none", 0, 1, 0, torch.device("cpu"), None), tmp_path / "run")
+    assert trainer.loss_fn.fused_head is not None
