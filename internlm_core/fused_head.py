@@ -152,8 +152,13 @@ class FusedHead:
     redistribution, whose backward hands each rank its slice of the gradient, which the fused backward already
     summed over the vocabulary shards), as the unfused output layer's ColwiseParallel does."""
 
+    @staticmethod
+    def supports(model: nn.Module) -> bool:
+        """Whether `model` has the output layer the fused head applies: `output`, a linear layer without bias."""
+        return isinstance(getattr(model, "output", None), nn.Linear) and model.output.bias is None
+
     def __init__(self, model: nn.Module, sequence_parallel: bool = False, holders: tuple = ()):
-        if not isinstance(getattr(model, "output", None), nn.Linear) or model.output.bias is not None:
+        if not self.supports(model):
             raise ConfigError(f"model.fused_head_loss: expected the model's output layer `output` to be a linear "
                               f"layer without bias, got {type(getattr(model, 'output', None)).__name__}")
         self.model = model

@@ -18,6 +18,10 @@ from typing import Any
 
 from ..config import Config
 from ..config.recompute import AUTO_MIN_SAVING, fused_head_of
+from ..errors import InternLMCoreError
+from ..utils.logging import get_logger
+
+logger = get_logger(__name__)
 
 
 def with_fused_head(cfg: Config, value: bool) -> Config:
@@ -43,4 +47,8 @@ def fused_head_chosen(cfg: Config, world_size: int, device: str) -> bool:
     if cfg.model.fused_head_loss != "auto":
         return fused_head_of(cfg)
     from .core import estimate
-    return estimate(cfg, world_size, device=device).cross_entropy == "fused_head"
+    try:
+        return estimate(cfg, world_size, device=device).cross_entropy == "fused_head"
+    except (InternLMCoreError, ValueError) as e:  # a family without counts: nothing to decide by, the plain head
+        logger.info(f"model.fused_head_loss=\"auto\": unfused head (the estimator cannot size this run: {e})")
+        return False

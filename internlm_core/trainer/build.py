@@ -115,7 +115,11 @@ def build_loss(cfg: Config, kernels: Kernels, model: Optional[torch.nn.Module] =
     loss = FlashGPTLMLoss(kernels.cross_entropy, label_smoothing=cfg.loss.label_smoothing)
     # (under pipeline parallel the stages without the output layer compute no loss: nothing to fuse there)
     last = pipeline is None or pipeline.is_last
-    if model is not None and (fused_head_of(cfg) if fused is None else fused) and last:
+    fused = fused_head_of(cfg) if fused is None else fused
+    if fused and cfg.model.fused_head_loss == "auto" and model is not None and not FusedHead.supports(model):
+        fused = False  # "auto" only: True is refused in one line by FusedHead
+        logger.info("model.fused_head_loss=\"auto\": unfused head (the model's output layer is not a bias-free linear)")
+    if model is not None and fused and last:
         loss.fused_head = FusedHead(model, cfg.parallel.sequence_parallel and cfg.parallel.tensor > 1,
                                     tuple(pipeline.chunks) if pipeline is not None else ())
         logger.info("fused output head and cross entropy (model.fused_head_loss): no [tokens, vocab] logits")
