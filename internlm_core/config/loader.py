@@ -25,7 +25,7 @@ from .compat import normalize
 from .context import check_context
 from .fault_tolerance import check_fault_tolerance
 from .overrides import apply_overrides, parse_overrides
-from .pipeline import check_pipeline_schedule
+from .pipeline import check_pipeline_schedule, check_split_backward
 from .hf_folder import adopt_hf_folder, explicit_keys
 from .schema import TRACKERS, Config, DataConfig, LoadCkptInfo
 
@@ -374,8 +374,10 @@ def _check_layout(cfg: Config, world_size: int | None) -> None:
         raise ConfigError(f"data.micro_num ({d.micro_num}) must be at least parallel.pipeline ({p.pipeline}) "
                           f"to keep every stage busy")
     origins = cfg.compat_notes.origins if cfg.compat_notes is not None else {}
-    check_pipeline_schedule(p.pipeline_schedule, p.pipeline, m.num_chunks, d.micro_num, m.compile,
-                            origins.get("parallel.pipeline_schedule", ""))
+    schedule = check_pipeline_schedule(p.pipeline_schedule, p.pipeline, m.num_chunks, d.micro_num, m.compile,
+                                       origins.get("parallel.pipeline_schedule", ""))
+    if p.pipeline > 1:
+        check_split_backward(schedule, checkpoint_plan(m.checkpoint)[0])
     if p.tensor > 1 and m.vocab_size % p.tensor:
         raise ConfigError(f"parallel.tensor ({p.tensor}) must divide model.vocab_size ({m.vocab_size}) "
                           f"for the vocabulary-parallel embedding and output")

@@ -70,6 +70,16 @@ def check_pipeline_schedule(schedule: str, pipeline: int, num_chunks: int, micro
     return name
 
 
+def check_split_backward(name: str, checkpoint_policy: str) -> None:
+    """ConfigError for selective checkpointing under a split-backward schedule (found by issue 38's held-out checks:
+    the weight pass recomputes a block a second time, whose saved ops served one: torch's "backward an extra
+    time"). The fused head's refusal there is config/recompute.fused_head_of's."""
+    if name in SPLIT_BACKWARD and checkpoint_policy == "selective":
+        raise ConfigError(f"model.checkpoint='selective' with parallel.pipeline_schedule={name!r}: the weight pass "
+                          f"recomputes each block again and selective checkpointing's saved ops serve one recompute; "
+                          f"use model.checkpoint=True (or a fraction) or a '1f1b' / 'interleaved' schedule")
+
+
 def zero_bubble_schedule(num_chunks: int) -> str:
     """InternEvo's parallel.pipeline=dict(zero_bubble=True): its ZB-H1 schedule with one chunk per rank (here
     "interleaved_zb", torch's ZB1P, which is ZB-H1 on one stage per rank), its V-shape schedule with two ("zbv")."""

@@ -245,6 +245,9 @@ class PipelineParallel:
         model_inputs: more keyword inputs of every stage, split along dim 0 likewise (model.mtp's mtp_ids).
         head_input: the last stage stops before its output layer (the fused head, whose loss applies it): the
         criterion gets the head's input as the stage returns it."""
+        if head_input and self.schedule_name in SPLIT_BACKWARD:  # config/pipeline.check_split_backward's rule
+            raise ConfigError(f"model.fused_head_loss with parallel.pipeline_schedule={self.schedule_name!r}: the "
+                              f"split backward gives the fused head wrong gradients; use the unfused head here")
         self._criterion, self._calls, self._head_input = criterion, 0, head_input
         self.schedule.step(input_ids, target=micro_batch_target(labels, type_ids, self.micro_num),
                            return_outputs=False, position_ids=position_ids, document_ids=document_ids,
