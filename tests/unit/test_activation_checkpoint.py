@@ -68,3 +68,18 @@ def test_config_takes_the_policy():
     assert small_cfg(checkpoint="selective").model.checkpoint == "selective"
     with pytest.raises(ConfigError, match="model.checkpoint: expected"):
         small_cfg(checkpoint="sometimes")
+
+
+def test_selective_with_context_parallels_ring_is_refused():
+    """Found by the held-out checks of issue 38: model.checkpoint="selective" with context parallel's ring hung in
+    the first step (train.py, INTERNLM and QWEN3_MoE at context 2, gloo); refused when the config loads. Ulysses'
+    all_to_all mode trains, and so does full checkpointing with the ring."""
+    from internlm_core.config import build_config
+
+    model = {"num_attention_heads": 4, "checkpoint": "selective"}
+    for context in (2, {"size": 4, "mode": "2d", "inner": 2}):
+        with pytest.raises(ConfigError, match=r"^config: model.checkpoint='selective' with context parallel's ring "
+                                              r"\(parallel.context mode '(ring|2d)'\): the first step hangs"):
+            build_config({"model": model, "parallel": {"context": context}})
+    assert build_config({"model": model, "parallel": {"context": {"size": 2, "mode": "all_to_all"}}})
+    assert build_config({"model": {**model, "checkpoint": True}, "parallel": {"context": 2}})
