@@ -24,6 +24,7 @@ import psutil
 import torch
 
 from ..config import Config, build_config, config_to_dict
+from ..config.recompute import fused_head_of
 from ..errors import ConfigError, InternLMCoreError
 from ..utils import collectives
 from ..utils.logging import get_logger
@@ -256,3 +257,15 @@ def check_memory(cfg: Config, world_size: int, rank: int, device: torch.device, 
         logger.warning(head + ("within the estimator's error: it may run out of memory" if verdict == "near" else
                                "running anyway (memory_check=\"warn\")") + "; " + fits)
     return worst
+
+
+def fused_head_chosen(cfg: Config, world_size: int, device: str) -> bool:
+    """Whether a run of `cfg` on `world_size` devices of type `device` fuses its head: model.fused_head_loss, with
+    "auto" decided by the estimator (module docstring)."""
+    if cfg.model.fused_head_loss != "auto":
+        return fused_head_of(cfg)
+    try:
+        return estimate(cfg, world_size, device=device).cross_entropy == "fused_head"
+    except (InternLMCoreError, ValueError) as e:  # a family without counts: nothing to decide by, the plain head
+        logger.info(f"model.fused_head_loss=\"auto\": unfused head (the estimator cannot size this run: {e})")
+        return False

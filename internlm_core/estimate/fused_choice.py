@@ -1,7 +1,7 @@
 """model.fused_head_loss = "auto", decided by the estimator: the fused head (fused_head.py) where the estimated peak
 per device with it is lower by at least AUTO_MIN_SAVING (config/recompute.py) than without it, on the device's own
 loss kernel; the unfused head elsewhere (it costs no extra matmul). `estimate` decides so, and the trainer asks
-`fused_head_chosen` (the same estimate), so a run and its estimate agree.
+`fit.fused_head_chosen` (the same estimate), so a run and its estimate agree.
 
 Where it wins: the unfused head holds the logits in the compute dtype and what its loss keeps of them; the fused one
 an fp32 log-sum-exp per token and two fp32 chunks. On a GPU with flash-attn's in-place loss the chunks (512 MiB
@@ -17,11 +17,7 @@ import dataclasses
 from typing import Any
 
 from ..config import Config
-from ..config.recompute import AUTO_MIN_SAVING, fused_head_of
-from ..errors import InternLMCoreError
-from ..utils.logging import get_logger
-
-logger = get_logger(__name__)
+from ..config.recompute import AUTO_MIN_SAVING
 
 
 def with_fused_head(cfg: Config, value: bool) -> Config:
@@ -39,16 +35,3 @@ def pick_fused_head(on: Any, off: Any) -> Any:
                         f"one's peak is {abs(gain):.2f} GiB {'lower' if gain >= 0 else 'higher'}; fused from "
                         f"{AUTO_MIN_SAVING >> 20} MiB lower)")
     return chosen
-
-
-def fused_head_chosen(cfg: Config, world_size: int, device: str) -> bool:
-    """Whether a run of `cfg` on `world_size` devices of type `device` fuses its head: model.fused_head_loss, with
-    "auto" decided by the estimator (module docstring)."""
-    if cfg.model.fused_head_loss != "auto":
-        return fused_head_of(cfg)
-    from .core import estimate
-    try:
-        return estimate(cfg, world_size, device=device).cross_entropy == "fused_head"
-    except (InternLMCoreError, ValueError) as e:  # a family without counts: nothing to decide by, the plain head
-        logger.info(f"model.fused_head_loss=\"auto\": unfused head (the estimator cannot size this run: {e})")
-        return False

@@ -22,8 +22,7 @@ from ..config.fp8 import fp8_plan
 from ..config.loader import compat_lines, config_to_dict
 from ..config.recompute import fused_head_of
 from ..distributed import LaunchInfo, ParallelDims, set_deterministic, set_seed
-from ..estimate.fit import check_memory
-from ..estimate.fused_choice import fused_head_chosen
+from ..estimate.fit import check_memory, fused_head_chosen
 from ..fused_head import FusedHead
 from ..loss import FlashGPTLMLoss
 from ..metrics import AccPerplex, Throughput

@@ -134,7 +134,7 @@ def test_auto_is_the_estimators_choice(tmp_path):
     from internlm_core.config.recompute import AUTO_MIN_SAVING
     from internlm_core.distributed import LaunchInfo
     from internlm_core.estimate import estimate
-    from internlm_core.estimate.fused_choice import fused_head_chosen
+    from internlm_core.estimate.fit import fused_head_chosen
     from internlm_core.trainer.build import build_trainer
 
     long = load_config("configs/7B_128k.py", ["model.fused_head_loss=auto"], world_size=64)
