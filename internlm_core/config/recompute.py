@@ -29,30 +29,28 @@ def checkpoint_plan(setting: Union[bool, float, str], key: str = "model.checkpoi
 
 # model.fused_head_loss = "auto" where no device is known (the config's own checks): fused when one micro-batch's
 # fp32 logits (tokens x vocab per rank) reach this; the trainer and the estimator decide by the estimator's figures
-# (estimate/fused_choice.py) and pass the bytes it saves
+# (estimate/fused_choice.py) and pass their decision
 AUTO_FUSED_HEAD_BYTES = 256 << 20
-AUTO_MIN_SAVING = 256 << 20
 
 
 def fused_head_enabled(setting: Union[bool, str], vocab: int, tokens: int, pipeline: int, tensor: int,
-                       sequence_parallel: bool, saving: Optional[float] = None) -> bool:
+                       sequence_parallel: bool, auto: Optional[bool] = None) -> bool:
     """Whether the output head and the loss are fused (model.fused_head_loss: True, False or "auto"; `vocab` and
-    `tokens` per rank and micro-batch; `saving`: the bytes per device the fused head saves on this run's loss
-    kernel, when known: "auto" fuses when it is at least AUTO_MIN_SAVING). Under pipeline parallel the last stage
+    `tokens` per rank and micro-batch; `auto`: what "auto" is, when the caller decided it (the estimator); None:
+    the size rule above). Under pipeline parallel the last stage
     stops before its output layer and its loss applies it; under tensor + sequence parallel the head's
     sequence-sharded input is gathered (fused_head.FusedHead)."""
     if setting not in (True, False, "auto"):
         raise ConfigError(f"model.fused_head_loss: expected True, False or \"auto\", got {setting!r}")
     if setting == "auto":
-        if saving is not None:
-            return saving >= AUTO_MIN_SAVING
-        return 4 * vocab * tokens >= AUTO_FUSED_HEAD_BYTES
+        return auto if auto is not None else 4 * vocab * tokens >= AUTO_FUSED_HEAD_BYTES
     return bool(setting)
 
 
-def fused_head_of(cfg, saving: Optional[float] = None) -> bool:
-    """`fused_head_enabled` of a Config (`saving` as there); model.mtp (whose depths apply the output layer inside
-    the model) and the split-backward pipeline schedules: True refused in one line, "auto" off."""
+def fused_head_of(cfg, auto: Optional[bool] = None) -> bool:
+    """`fused_head_enabled` of a Config (`auto` as there: `fused_head_of(cfg, auto=True)` says whether "auto" may
+    fuse this run at all); model.mtp (whose depths apply the output layer inside the model) and the split-backward
+    pipeline schedules: True refused in one line, "auto" off."""
     p, d = cfg.parallel, cfg.data
     if mtp_settings(cfg.model.mtp).on and cfg.model.fused_head_loss in (True, "auto"):
         if cfg.model.fused_head_loss is True:
@@ -70,4 +68,4 @@ def fused_head_of(cfg, saving: Optional[float] = None) -> bool:
         return False
     return fused_head_enabled(cfg.model.fused_head_loss, cfg.model.vocab_size // max(1, p.tensor),
                               d.micro_bsz * d.seq_len // max(1, p.context.size), p.pipeline, p.tensor,
-                              p.sequence_parallel, saving)
+                              p.sequence_parallel, auto)

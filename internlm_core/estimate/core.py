@@ -130,7 +130,7 @@ def estimate(cfg: Config, world_size: int = 1, precision: str = "internlm_core",
     """
     if precision not in PRECISIONS:
         raise ValueError(f"precision {precision!r}: expected one of {PRECISIONS}")
-    if cfg.model.fused_head_loss == "auto" and fused_head_of(cfg, float("inf")):  # decided here (fused_choice.py)
+    if cfg.model.fused_head_loss == "auto" and fused_head_of(cfg, auto=True):  # decided here (fused_choice.py)
         kw = dict(world_size=world_size, precision=precision, mfu=mfu, peak_tflops=peak_tflops, attention=attention,
                   device_memory_gib=device_memory_gib, args=args, device=device, grad_reduce=grad_reduce,
                   pipeline_rank=pipeline_rank, runtime_bytes=runtime_bytes, linear=linear, cpu=cpu)

@@ -1,5 +1,5 @@
 """model.fused_head_loss = "auto", decided by the estimator: the fused head (fused_head.py) where the estimated peak
-per device with it is lower by at least AUTO_MIN_SAVING (config/recompute.py) than without it, on the device's own
+per device with it is lower by at least AUTO_MIN_SAVING than without it, on the device's own
 loss kernel; the unfused head elsewhere (it costs no extra matmul). `estimate` decides so, and the trainer asks
 `fit.fused_head_chosen` (the same estimate), so a run and its estimate agree.
 
@@ -17,7 +17,8 @@ import dataclasses
 from typing import Any
 
 from ..config import Config
-from ..config.recompute import AUTO_MIN_SAVING
+
+AUTO_MIN_SAVING = 256 << 20
 
 
 def with_fused_head(cfg: Config, value: bool) -> Config:

@@ -69,7 +69,7 @@ def test_fused_head_and_selective_checkpointing_with_a_split_backward_are_refuse
         build_config({**base, "model": {**model, "checkpoint": "selective"}})
     assert build_config({**base, "model": {**model, "checkpoint": 0.5}}).parallel.pipeline_schedule == schedule
     from internlm_core.config.recompute import fused_head_of
-    assert fused_head_of(build_config({**base, "model": {**model, "fused_head_loss": "auto"}}), float("inf")) is False
+    assert fused_head_of(build_config({**base, "model": {**model, "fused_head_loss": "auto"}}), auto=True) is False
     fused = {"data": {"micro_num": 4}, "parallel": {"pipeline": 2, "pipeline_schedule": "1f1b"},
              "model": {"num_layers": 4, "fused_head_loss": True, "checkpoint": "selective"}}
     assert build_config(fused).model.fused_head_loss is True

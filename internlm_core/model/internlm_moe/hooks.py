@@ -35,7 +35,12 @@ def moe_named_layers(model: nn.Module) -> list[tuple[str, MoEFeedForward]]:
             index = parts[parts.index("layers") + 1] if "layers" in parts else \
                 f"mtp{parts[parts.index('depths') + 1]}" if "depths" in parts else name  # model.mtp's depth k: mtp{k}
             out.append((index, module))
-    return sorted(out, key=lambda item: (0, int(item[0]), "") if item[0].isdigit() else (1, 0, item[0]))
+    return sorted(out, key=lambda item: _layer_order(item[0]))
+
+
+def _layer_order(index: str) -> tuple:
+    """Blocks by number, then model.mtp's depths by name."""
+    return (0, int(index), "") if index.isdigit() else (1, 0, index)
 
 
 def _step_table(layers: list[tuple[str, MoEFeedForward]], group: Optional[dist.ProcessGroup]) -> Optional[torch.Tensor]:
@@ -86,7 +91,7 @@ def _merge_stages(records: dict[str, dict], sent: dict, pp_group: Optional[dist.
     stages: list = [None] * dist.get_world_size(pp_group)
     collectives.all_gather_object(stages, (records, sent), group=pp_group)
     merged = {index: r for stage_records, _ in stages for index, r in stage_records.items()}
-    ordered = dict(sorted(merged.items(), key=lambda kv: (0, int(kv[0]), "") if kv[0].isdigit() else (1, 0, kv[0])))
+    ordered = dict(sorted(merged.items(), key=lambda kv: _layer_order(kv[0])))
     return ordered, {k: sum(stage_sent[k] for _, stage_sent in stages) for k in sent}
 
 
